@@ -1,0 +1,10 @@
+"""logitserve client: reassembles sharded, chunked outputs into numpy arrays; needs grpcio, protobuf, numpy."""
+from .aio import AsyncTeacherClient
+from .api import ModelInfo
+from .assemble import Applied, ForwardResult, ModelIdentity
+from .errors import LogitServeError
+from .sync import TeacherClient
+from .wire import Wanted
+
+__all__ = ["TeacherClient", "AsyncTeacherClient", "LogitServeError", "ForwardResult", "ModelInfo",
+           "Applied", "ModelIdentity", "Wanted"]

@@ -1,0 +1,89 @@
+"""The convenience methods, written once for the sync and the async client."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence
+
+from .assemble import ForwardResult
+from .wire import Wanted
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    name: str
+    content_hash: str
+    architecture: str
+    kind: str                 # "causal_lm" | "reward"
+    vocab_size: int
+    max_sequence_length: int
+    dtype: str
+    tp_size: int
+    cp_size: int
+    world_size: int
+    num_labels: int
+    max_message_bytes: int
+    server_version: str
+    ranks: tuple              # ({rank, tp_rank, cp_rank, host, device}, ...)
+
+
+class OutputsMixin:
+    """Each method asks for one output; `forward` asks for several from one pass.
+
+    `_request(seqs, wanted, pick)` is the only thing a client class provides: the
+    sync client returns the value, the async one an awaitable of it.
+    """
+
+    _request: Callable
+
+    def forward(self, seqs: Sequence, *, temperature: float = 1.0, logprobs: bool = False,
+                top_k: Optional[int] = None, top_p: Optional[float] = None, topk: Optional[int] = None,
+                topk_as_logprobs: bool = False, topk_dtype: str = "fp32", candidates: Optional[Sequence] = None,
+                full_logits: bool = False, seq_range: Optional[tuple[int, int]] = None,
+                vocab_range: Optional[tuple[int, int]] = None, logits_dtype: str = "fp32",
+                scores: bool = False, bf16_as_torch: bool = False):
+        """Several outputs of one forward pass, as a ForwardResult."""
+        w = Wanted(temperature=temperature, logprobs=logprobs, top_k=top_k, top_p=top_p, topk=topk,
+                   topk_as_logprobs=topk_as_logprobs, topk_dtype=topk_dtype, candidates=candidates,
+                   full_logits=full_logits, seq_range=seq_range, vocab_range=vocab_range,
+                   logits_dtype=logits_dtype, scores=scores)
+        return self._request(seqs, w, lambda r: r, bf16_as_torch)
+
+    def logprobs(self, seqs: Sequence, temperature: float = 1.0, top_k: Optional[int] = None,
+                 top_p: Optional[float] = None):
+        """Token logprobs, one [L] fp32 array per sequence (lp[0] = 0; -inf outside a filter's kept set)."""
+        w = Wanted(temperature=temperature, logprobs=True, top_k=top_k, top_p=top_p)
+        return self._request(seqs, w, lambda r: r.logprobs)
+
+    def topk(self, seqs: Sequence, k: int, as_logprobs: bool = False, temperature: float = 1.0,
+             dtype: str = "fp32"):
+        """(values, ids): per sequence [L, k] values sorted descending and [L, k] int32 ids."""
+        w = Wanted(temperature=temperature, topk=k, topk_as_logprobs=as_logprobs, topk_dtype=dtype)
+        return self._request(seqs, w, lambda r: (r.topk_values, r.topk_ids))
+
+    def candidate_logprobs(self, seqs: Sequence, candidates: Sequence, temperature: float = 1.0):
+        """log_softmax(z_t/T)[cand[t, j]]: per sequence [L, c] fp32, for caller-chosen [L, c] ids."""
+        w = Wanted(temperature=temperature, candidates=candidates)
+        return self._request(seqs, w, lambda r: r.candidate_logprobs)
+
+    def full_logits(self, seqs: Sequence, seq_range: Optional[tuple[int, int]] = None,
+                    vocab_range: Optional[tuple[int, int]] = None, dtype: str = "fp32",
+                    temperature: float = 1.0, bf16_as_torch: bool = False):
+        """z/T over [s0, s1) x [v0, v1) per sequence (bf16 as exact float32, or torch bf16 if asked)."""
+        w = Wanted(temperature=temperature, full_logits=True, seq_range=seq_range, vocab_range=vocab_range,
+                   logits_dtype=dtype)
+        return self._request(seqs, w, lambda r: r.full_logits, bf16_as_torch)
+
+    def scores(self, seqs: Sequence):
+        """A reward model's head at the last token: per sequence [num_labels] fp32."""
+        return self._request(seqs, Wanted(scores=True), lambda r: r.scores)
+
+
+def model_info_of(msg) -> ModelInfo:
+    from logitserve.v1 import logitserve_pb2 as pb
+
+    kind = {pb.CAUSAL_LM: "causal_lm", pb.REWARD_MODEL: "reward"}.get(msg.kind, "unknown")
+    ranks = tuple(dict(rank=r.rank, tp_rank=r.tp_rank, cp_rank=r.cp_rank, host=r.host, device=r.device)
+                  for r in msg.ranks)
+    return ModelInfo(msg.name, msg.content_hash, msg.architecture, kind, msg.vocab_size, msg.max_sequence_length,
+                     msg.dtype, msg.tp_size, msg.cp_size, msg.world_size, msg.num_labels, msg.max_message_bytes,
+                     msg.server_version, ranks)

@@ -1,0 +1,23 @@
+"""The one exception type every failed call raises, carrying the gRPC status code and message."""
+from __future__ import annotations
+
+import grpc
+
+_BY_VALUE = {c.value[0]: c for c in grpc.StatusCode}
+
+
+class LogitServeError(Exception):
+    """A failed RPC or request: `.code` is a grpc.StatusCode, `.details` the server's message."""
+
+    def __init__(self, code: grpc.StatusCode, details: str):
+        super().__init__(f"{code.name}: {details}")
+        self.code = code
+        self.details = details
+
+    @classmethod
+    def from_code(cls, value: int, details: str) -> "LogitServeError":
+        return cls(_BY_VALUE.get(value, grpc.StatusCode.UNKNOWN), details)
+
+    @classmethod
+    def from_rpc(cls, err: grpc.RpcError) -> "LogitServeError":
+        return cls(err.code(), err.details() or "")

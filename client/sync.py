@@ -1,0 +1,51 @@
+"""TeacherClient: the blocking client, an AsyncTeacherClient driven on a private event-loop thread."""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import threading
+from typing import Sequence
+
+from .aio import AsyncTeacherClient
+from .api import ModelInfo, OutputsMixin
+from .wire import Wanted
+
+
+class TeacherClient(OutputsMixin):
+    """`with TeacherClient("host:port") as c: lp = c.logprobs([[1, 2, 3]])`; thread-safe."""
+
+    def __init__(self, address: str, **options):
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="logitserve-client", daemon=True)
+        self._thread.start()
+
+        async def make() -> AsyncTeacherClient:
+            return AsyncTeacherClient(address, **options)
+        self._aio = self._run(make())
+
+    def _run(self, coro):
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+    def __enter__(self) -> "TeacherClient":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self._loop.is_closed():
+            return
+        self._run(self._aio.close())
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join()
+        self._loop.close()
+
+    def model_info(self, timeout: float | None = None) -> ModelInfo:
+        return self._run(self._aio.model_info(timeout))
+
+    def submit(self, seqs: Sequence, wanted: Wanted, bf16_as_torch: bool = False) -> concurrent.futures.Future:
+        """Send a request without waiting: many can be in flight on the one stream."""
+        return asyncio.run_coroutine_threadsafe(self._aio.submit(seqs, wanted, bf16_as_torch), self._loop)
+
+    def _request(self, seqs: Sequence, wanted: Wanted, pick, bf16_as_torch: bool = False):
+        return pick(self.submit(seqs, wanted, bf16_as_torch).result())

@@ -1,0 +1,88 @@
+"""Builds ForwardRequests from Python arguments and decodes tensor bytes; numpy only."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import numpy as np
+
+from logitserve.v1 import logitserve_pb2 as pb
+
+DTYPES = {"fp32": pb.FLOAT32, "bf16": pb.BFLOAT16, "fp16": pb.FLOAT16}
+_INT32 = np.iinfo(np.int32)
+
+
+@dataclass(frozen=True)
+class Wanted:
+    """The outputs of one request; maps one to one onto ForwardRequest."""
+
+    temperature: float = 1.0
+    logprobs: bool = False
+    top_k: Optional[int] = None            # filters of the token logprobs
+    top_p: Optional[float] = None
+    topk: Optional[int] = None             # k of the top-k output
+    topk_as_logprobs: bool = False
+    topk_dtype: str = "fp32"
+    candidates: Optional[Sequence] = None  # one [L_i, c_i] int array per sequence
+    full_logits: bool = False
+    seq_range: Optional[tuple[int, int]] = None
+    vocab_range: Optional[tuple[int, int]] = None
+    logits_dtype: str = "fp32"
+    scores: bool = False
+
+
+def int32_tensor(values, name: str) -> pb.Tensor:
+    arr = np.asarray(values)
+    if arr.size and not np.issubdtype(arr.dtype, np.integer):
+        raise TypeError(f"{name}: token ids must be integers, got dtype {arr.dtype}")
+    if arr.size and (arr.min() < _INT32.min or arr.max() > _INT32.max):
+        raise ValueError(f"{name}: token ids must fit in int32")
+    arr = np.ascontiguousarray(arr, dtype="<i4")
+    return pb.Tensor(dtype=pb.INT32, shape=list(arr.shape), data=arr.tobytes())
+
+
+def _dtype(name: str, field: str) -> int:
+    if name not in DTYPES:
+        raise ValueError(f"{field}={name!r}: choose one of {sorted(DTYPES)}")
+    return DTYPES[name]
+
+
+def build_request(request_id: str, seqs: Sequence, w: Wanted) -> pb.ForwardRequest:
+    req = pb.ForwardRequest(request_id=request_id, temperature=float(w.temperature),
+                            sequences=[int32_tensor(s, f"seqs[{i}]") for i, s in enumerate(seqs)])
+    if w.logprobs:
+        req.logprobs.SetInParent()
+        if w.top_k is not None:
+            req.logprobs.top_k = int(w.top_k)
+        if w.top_p is not None:
+            req.logprobs.top_p = float(w.top_p)
+    if w.topk is not None:
+        req.topk.k = int(w.topk)
+        req.topk.as_logprobs = bool(w.topk_as_logprobs)
+        req.topk.dtype = _dtype(w.topk_dtype, "topk_dtype")
+    if w.candidates is not None:
+        req.candidates.ids.extend(int32_tensor(c, f"candidates[{i}]") for i, c in enumerate(w.candidates))
+    if w.full_logits:
+        f = req.full_logits
+        f.dtype = _dtype(w.logits_dtype, "dtype")
+        if w.seq_range is not None:
+            f.seq_start, f.seq_end = (int(x) for x in w.seq_range)
+        if w.vocab_range is not None:
+            f.vocab_start, f.vocab_end = (int(x) for x in w.vocab_range)
+    if w.scores:
+        req.scores.SetInParent()
+    return req
+
+
+def bf16_bits_to_f32(bits: np.ndarray) -> np.ndarray:
+    """bf16 bit patterns (uint16) as the float32 values they hold exactly."""
+    return (bits.astype(np.uint32) << 16).view(np.float32)
+
+
+# wire dtype -> (numpy dtype of the bytes, numpy dtype of the assembled array)
+DECODE = {
+    pb.FLOAT32: (np.dtype("<f4"), np.dtype(np.float32)),
+    pb.BFLOAT16: (np.dtype("<u2"), np.dtype(np.float32)),
+    pb.FLOAT16: (np.dtype("<f2"), np.dtype(np.float16)),
+    pb.INT32: (np.dtype("<i4"), np.dtype(np.int32)),
+}

@@ -1,0 +1,1 @@
+"""logitserve server: servicer, server lifecycle and CLI (the math lives in logitserve core)."""

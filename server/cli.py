@@ -1,0 +1,104 @@
+"""The `logitserve` command: serve, info, query, export-demo."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+
+
+def _serve_parser(sub) -> None:
+    p = sub.add_parser("serve", help="serve a model (the embedded demo when --model is not given)")
+    p.add_argument("--host", default="0.0.0.0")
+    p.add_argument("--port", type=int, default=50051)
+    p.add_argument("--model", default=None, help="local Hugging Face model directory (config.json + safetensors)")
+    p.add_argument("--demo", choices=["causal", "reward"], default="causal", help="embedded demo when no --model")
+    p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32")
+    p.add_argument("--logprob-chunk-size", type=int, default=512, help="logits rows materialized at a time")
+    p.add_argument("--max-seq-len", type=int, default=None, help="default: the model's max_position_embeddings")
+    p.add_argument("--max-message-bytes", type=int, default=4 << 20, help="every response message stays under this")
+    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
+
+
+def _client_parsers(sub) -> None:
+    p = sub.add_parser("info", help="print a server's model info")
+    p.add_argument("address")
+    q = sub.add_parser("query", help="print token logprobs and top-k for some token ids")
+    q.add_argument("address")
+    q.add_argument("--ids", required=True, help="comma-separated token ids, e.g. 1,2,3")
+    q.add_argument("--topk", type=int, default=5)
+    q.add_argument("--temperature", type=float, default=1.0)
+    e = sub.add_parser("export-demo", help="write the embedded demo model as a Hugging Face directory")
+    e.add_argument("directory")
+    e.add_argument("--kind", choices=["causal", "reward"], default="causal")
+
+
+def _cmd_serve(args) -> int:
+    import torch
+    from transformers.utils import logging as hf_logging
+
+    from logitserve.engine import EngineConfig
+
+    from .app import ModelConfig, ServerConfig, serve
+
+    hf_logging.disable_progress_bar()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model = ModelConfig(path=args.model, demo=args.demo, dtype=args.dtype, max_seq_len=args.max_seq_len)
+    config = ServerConfig(host=args.host, port=args.port, max_message_bytes=args.max_message_bytes,
+                          engine=EngineConfig(chunk_size=args.logprob_chunk_size))
+    asyncio.run(serve(model, config))
+    return 0
+
+
+def _cmd_info(args) -> int:
+    from logitserve.client import TeacherClient
+
+    with TeacherClient(args.address) as c:
+        info = c.model_info(timeout=30)
+    for key, value in info.__dict__.items():
+        print(f"{key:>20}: {value}")
+    return 0
+
+
+def _cmd_query(args) -> int:
+    from logitserve.client import TeacherClient
+
+    ids = [int(x) for x in args.ids.split(",") if x.strip()]
+    with TeacherClient(args.address) as c:
+        r = c.forward([ids], temperature=args.temperature, logprobs=True, topk=args.topk, topk_as_logprobs=True)
+    lp, vals, top = r.logprobs[0], r.topk_values[0], r.topk_ids[0]
+    print(f"model {r.model.name} ({r.model.content_hash}), temperature {r.applied.temperature}")
+    print(f"{'pos':>4} {'token':>8} {'logprob':>10}   top-{args.topk} next tokens (id:logprob)")
+    for t, tok in enumerate(ids):
+        cells = "  ".join(f"{int(i)}:{v:.3f}" for i, v in zip(top[t], vals[t]))
+        print(f"{t:>4} {tok:>8} {lp[t]:>10.4f}   {cells}")
+    return 0
+
+
+def _cmd_export(args) -> int:
+    from logitserve.demo import export_demo
+
+    print(export_demo(args.directory, args.kind))
+    return 0
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="logitserve", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    _serve_parser(sub)
+    _client_parsers(sub)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    commands = {"serve": _cmd_serve, "info": _cmd_info, "query": _cmd_query, "export-demo": _cmd_export}
+    try:
+        return commands[args.command](args)
+    except Exception as e:  # the client's LogitServeError included: one line, not a traceback
+        if type(e).__name__ == "LogitServeError":
+            print(f"logitserve: {e}", file=sys.stderr)
+            return 1
+        raise
+
+
+if __name__ == "__main__":
+    sys.exit(main())

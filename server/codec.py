@@ -1,0 +1,131 @@
+"""Translates between the proto messages and the core's Job / Piece types; no math."""
+from __future__ import annotations
+
+from typing import Iterator
+
+import grpc
+import numpy as np
+import torch
+
+from logitserve.engine import Piece
+from logitserve.errors import InvalidRequest
+from logitserve.spec import Job, LogprobsOpts, SliceOpts, TopKOpts, WireDType
+from logitserve.v1 import logitserve_pb2 as pb
+
+MAX_REQUEST_ID = 256
+# Room left in each message for everything but the tensor bytes (ids, shapes, offsets, framing).
+HEADER_ROOM = 4096
+
+_WIRE_OF_PB = {pb.DTYPE_UNSPECIFIED: WireDType.FP32, pb.FLOAT32: WireDType.FP32,
+               pb.BFLOAT16: WireDType.BF16, pb.FLOAT16: WireDType.FP16}
+_PB_OF_TORCH = {torch.float32: pb.FLOAT32, torch.bfloat16: pb.BFLOAT16, torch.float16: pb.FLOAT16,
+                torch.int32: pb.INT32}
+# numpy has no bfloat16: its bytes travel through a 2-byte integer view.
+_BYTES_VIEW = {torch.bfloat16: torch.int16}
+
+
+def _wire_dtype(field: str, value: int) -> WireDType:
+    if value not in _WIRE_OF_PB:
+        raise InvalidRequest(field, f"unknown wire dtype {value}; use FLOAT32, BFLOAT16 or FLOAT16")
+    return _WIRE_OF_PB[value]
+
+
+def _int32_tensor(field: str, t: pb.Tensor, ndim: int) -> np.ndarray:
+    if t.dtype not in (pb.INT32, pb.DTYPE_UNSPECIFIED):
+        raise InvalidRequest(field, f"token ids must be INT32, got {pb.DType.Name(t.dtype) if t.dtype in pb.DType.values() else t.dtype}")
+    shape = tuple(t.shape)
+    if len(shape) != ndim or any(d < 0 for d in shape):
+        raise InvalidRequest(field, f"shape {list(shape)} must have {ndim} non-negative dimensions")
+    if len(t.data) != 4 * int(np.prod(shape)):
+        raise InvalidRequest(field, f"{len(t.data)} bytes do not hold int32 shape {list(shape)} ({4 * int(np.prod(shape))} bytes)")
+    return np.frombuffer(t.data, dtype="<i4").reshape(shape)
+
+
+def decode_job(req: pb.ForwardRequest) -> Job:
+    """A Job from a ForwardRequest; malformed fields raise InvalidRequest naming the field."""
+    if len(req.request_id) > MAX_REQUEST_ID:
+        raise InvalidRequest("request_id", f"{len(req.request_id)} characters is over {MAX_REQUEST_ID}")
+    seqs = tuple(_int32_tensor(f"sequences[{i}]", t, 1) for i, t in enumerate(req.sequences))
+    logprobs = topk = cands = sl = None
+    if req.HasField("logprobs"):
+        lp = req.logprobs
+        logprobs = LogprobsOpts(top_k=lp.top_k if lp.HasField("top_k") else None,
+                                top_p=lp.top_p if lp.HasField("top_p") else None)
+    if req.HasField("topk"):
+        topk = TopKOpts(k=req.topk.k, as_logprobs=req.topk.as_logprobs,
+                        dtype=_wire_dtype("topk.dtype", req.topk.dtype))
+    if req.HasField("candidates"):
+        cands = tuple(_int32_tensor(f"candidates.ids[{i}]", t, 2) for i, t in enumerate(req.candidates.ids))
+    if req.HasField("full_logits"):
+        f = req.full_logits
+        sl = SliceOpts(*(getattr(f, n) if f.HasField(n) else None
+                         for n in ("seq_start", "seq_end", "vocab_start", "vocab_end")),
+                       dtype=_wire_dtype("full_logits.dtype", f.dtype))
+    return Job(sequences=seqs, temperature=req.temperature if req.HasField("temperature") else 1.0,
+               logprobs=logprobs, topk=topk, candidates=cands, full_logits=sl, scores=req.HasField("scores"))
+
+
+def _tensor_bytes(t: torch.Tensor) -> bytes:
+    t = t.contiguous()
+    return t.view(_BYTES_VIEW.get(t.dtype, t.dtype)).numpy().tobytes()
+
+
+def encode_piece(request_id: str, piece: Piece, max_message_bytes: int) -> Iterator[pb.ForwardResponse]:
+    """The piece as chunk messages, each under max_message_bytes: row bands, split by columns if a row is too big."""
+    t = piece.tensor
+    budget = max(max_message_bytes - HEADER_ROOM, 1024)
+    item = t.element_size()
+    if t.dim() == 1:
+        t = t[:, None]
+    rows, cols = t.shape
+    row_bytes = max(cols * item, 1)
+    if row_bytes <= budget:
+        band, width = max(budget // row_bytes, 1), cols
+    else:
+        band, width = 1, max(budget // item, 1)
+    one_d = piece.tensor.dim() == 1
+    for r0 in range(0, rows, band):
+        r1 = min(r0 + band, rows)
+        for c0 in range(0, cols, width):
+            c1 = min(c0 + width, cols)
+            tile = t[r0:r1, c0:c1]
+            shape = [r1 - r0] if one_d else [r1 - r0, c1 - c0]
+            offset = [piece.offset[0] + r0] if one_d else [piece.offset[0] + r0, piece.offset[1] + c0]
+            yield pb.ForwardResponse(request_id=request_id, chunk=pb.TensorChunk(
+                output=int(piece.output), sequence=piece.sequence, full_shape=list(piece.full_shape),
+                offset=offset,
+                tensor=pb.Tensor(dtype=_PB_OF_TORCH[tile.dtype], shape=shape, data=_tensor_bytes(tile))))
+
+
+def encode_done(request_id: str, job: Job, identity: pb.ModelIdentity, num_chunks: int) -> pb.ForwardResponse:
+    applied = pb.Applied(temperature=job.temperature)
+    if job.logprobs is not None:
+        if job.logprobs.top_k is not None:
+            applied.top_k = job.logprobs.top_k
+        if job.logprobs.top_p is not None:
+            applied.top_p = job.logprobs.top_p
+    return pb.ForwardResponse(request_id=request_id, done=pb.RequestDone(
+        applied=applied, model=identity, num_chunks=num_chunks, num_tokens=job.num_tokens))
+
+
+def encode_error(request_id: str, code: grpc.StatusCode, message: str) -> pb.ForwardResponse:
+    return pb.ForwardResponse(request_id=request_id, error=pb.RequestError(code=code.value[0], message=message))
+
+
+def identity_of(info: pb.ModelInfoResponse) -> pb.ModelIdentity:
+    return pb.ModelIdentity(name=info.name, content_hash=info.content_hash, vocab_size=info.vocab_size)
+
+
+def encode_model_info(loaded, layout, max_message_bytes: int, version: str) -> pb.ModelInfoResponse:
+    """ModelInfoResponse for a LoadedModel served under a Layout (see logitserve.layout)."""
+    from logitserve.loading import DTYPE_NAMES
+    from logitserve.spec import ModelKind
+
+    kind = pb.CAUSAL_LM if loaded.kind is ModelKind.CAUSAL_LM else pb.REWARD_MODEL
+    return pb.ModelInfoResponse(
+        name=loaded.name, content_hash=loaded.content_hash, architecture=loaded.architecture, kind=kind,
+        vocab_size=loaded.vocab_size, max_sequence_length=loaded.max_seq_len, dtype=DTYPE_NAMES[loaded.dtype],
+        tp_size=layout.tp, cp_size=layout.cp, world_size=layout.world_size,
+        ranks=[pb.RankInfo(rank=r.rank, tp_rank=r.tp_rank, cp_rank=r.cp_rank, host=r.host, device=r.device)
+               for r in layout.ranks],
+        num_labels=loaded.num_labels, max_message_bytes=max_message_bytes, server_version=version)

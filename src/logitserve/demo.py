@@ -1,0 +1,81 @@
+"""The embedded default models: small Llama-style teacher and reward model, built from a fixed seed."""
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+DEMO_VERSION = "v1"
+DEMO_SEED = 20261202
+DEMO_KINDS = ("causal", "reward")
+
+
+def _demo_config(kind: str):
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=32000, hidden_size=256, intermediate_size=688, num_hidden_layers=2,
+        num_attention_heads=8, num_key_value_heads=4, head_dim=32, max_position_embeddings=8192,
+        rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=False,
+        # Wider than the usual 0.02 so the demo's logits spread like a trained model's.
+        initializer_range=0.1, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+        num_labels=1,
+        architectures=["LlamaForCausalLM" if kind == "causal" else "LlamaForSequenceClassification"],
+    )
+
+
+def _demo_tokenizer():
+    """A word-level tokenizer with one token per id, so ids print and peers can load the directory."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
+    vocab.update({f"t{i}": i for i in range(3, 32000)})
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>",
+                                   eos_token="</s>", pad_token="<unk>")
+
+
+def export_demo(directory: str | os.PathLike, kind: str = "causal") -> Path:
+    """Write the demo model of `kind` as a normal Hugging Face directory; same bytes every time."""
+    import torch
+    from transformers import LlamaForCausalLM, LlamaForSequenceClassification
+
+    if kind not in DEMO_KINDS:
+        raise ValueError(f"demo kind {kind!r}: choose one of {DEMO_KINDS}")
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    cls = LlamaForCausalLM if kind == "causal" else LlamaForSequenceClassification
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(DEMO_SEED)
+        model = cls(_demo_config(kind)).float().eval()
+    model.save_pretrained(out, safe_serialization=True)
+    _demo_tokenizer().save_pretrained(out)
+    return out
+
+
+def cache_root() -> Path:
+    base = os.environ.get("LOGITSERVE_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "logitserve")
+    return Path(base)
+
+
+def demo_dir(kind: str = "causal") -> Path:
+    """The cached demo directory of `kind`, built on first use (atomically, so racing builders agree)."""
+    final = cache_root() / f"demo-{kind}-{DEMO_VERSION}"
+    if (final / "config.json").exists():
+        return final
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".demo-{kind}-", dir=final.parent))
+    try:
+        export_demo(tmp, kind)
+        try:
+            os.rename(tmp, final)
+        except OSError:  # another process finished first
+            if not (final / "config.json").exists():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return final

@@ -1,0 +1,149 @@
+"""Runs one Job: the model body once per sequence, then the head and every output chunk by chunk.
+
+Extra memory is O(chunk x V/tp): the [L, V] logits never exist at once.
+The results leave as `Piece`s, rectangles of an output with their offsets,
+so a caller can stream them as they come.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+import torch.nn.functional as F
+
+from .filters import apply_filters
+from .loading import LoadedModel
+from .spec import Job, OutputKind, WireDType
+from .vocab_parallel import VocabShard, full_vocab, vp_gather, vp_logsumexp, vp_topk
+
+TORCH_WIRE = {WireDType.FP32: torch.float32, WireDType.BF16: torch.bfloat16, WireDType.FP16: torch.float16}
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    chunk_size: int = 512   # rows of logits materialized at a time (--logprob-chunk-size)
+
+    def __post_init__(self):
+        if self.chunk_size < 1:
+            raise ValueError(f"chunk_size={self.chunk_size} must be >= 1")
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One rectangle of one output of one sequence."""
+
+    output: OutputKind
+    sequence: int
+    full_shape: tuple[int, ...]
+    offset: tuple[int, ...]
+    tensor: torch.Tensor    # contiguous, CPU, wire dtype; shape = extent of the rectangle
+
+
+class Engine:
+    """Owns a loaded model and turns Jobs into Pieces."""
+
+    def __init__(self, loaded: LoadedModel, config: EngineConfig = EngineConfig(),
+                 shard: VocabShard | None = None):
+        self.loaded = loaded
+        self.config = config
+        self.shard = shard or full_vocab(loaded.vocab_size)
+        self.device = loaded.head.weight.device
+
+    # -- the model ------------------------------------------------------------
+    @torch.inference_mode()
+    def hidden(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Last hidden state of the body. ids, positions: [L] -> [L, H]."""
+        out = self.loaded.body(input_ids=ids[None], position_ids=positions[None], use_cache=False)
+        return out.last_hidden_state[0]
+
+    @torch.inference_mode()
+    def logits(self, h: torch.Tensor, temperature: float) -> torch.Tensor:
+        """z/T in fp32 for a chunk of rows. h: [c, H] -> [c, V/tp]."""
+        z = F.linear(h, self.loaded.head.weight, self.loaded.head.bias).float()
+        if temperature != 1.0:
+            z.div_(temperature)
+        return z
+
+    # -- one job --------------------------------------------------------------
+    def run(self, job: Job) -> Iterator[Piece]:
+        """Every Piece of the job's outputs, sequence by sequence, chunk by chunk."""
+        for i, seq in enumerate(job.sequences):
+            ids = torch.from_numpy(seq.astype("int64", copy=False)).to(self.device)   # [L]
+            positions = torch.arange(len(seq), device=self.device)                   # [L]
+            h = self.hidden(ids, positions)                                          # [L, H]
+            if job.scores:
+                yield self._score(i, h)
+                continue
+            cands = None
+            if job.candidates is not None:
+                cands = torch.from_numpy(job.candidates[i].astype("int64", copy=False)).to(self.device)
+            chunk = self.config.chunk_size
+            for s0 in range(0, len(seq), chunk):
+                s1 = min(s0 + chunk, len(seq))
+                yield from self._chunk(job, i, ids, h[s0:s1], s0, s1, cands)
+
+    @torch.inference_mode()
+    def _score(self, i: int, h: torch.Tensor) -> Piece:
+        score = F.linear(h[-1:], self.loaded.head.weight, self.loaded.head.bias).float()[0]   # [num_labels]
+        return Piece(OutputKind.SCORES, i, tuple(score.shape), (0,), score.cpu().contiguous())
+
+    @torch.inference_mode()
+    def _chunk(self, job: Job, i: int, ids: torch.Tensor, h: torch.Tensor, s0: int, s1: int,
+               cands: torch.Tensor | None) -> Iterator[Piece]:
+        """Pieces for rows [s0, s1) of sequence i. ids: [L], h: [s1-s0, H]."""
+        L, V, shard = len(ids), self.shard.vocab_size, self.shard
+        z = self.logits(h, job.temperature)                                         # [c, V/tp]
+        unfiltered_lp = job.logprobs is not None and job.logprobs.top_k is None and job.logprobs.top_p is None
+        needs_lse = unfiltered_lp or (job.topk is not None and job.topk.as_logprobs) or cands is not None
+        lse = vp_logsumexp(z, shard) if needs_lse else None                         # [c]
+
+        if job.logprobs is not None and (s0 == 0 or s0 + 1 < len(ids)):
+            yield self._token_logprobs(job, i, ids, z, lse, s0, s1)
+        if job.topk is not None:
+            vals, top_ids = vp_topk(z, job.topk.k, shard)                           # [c, k]
+            if job.topk.as_logprobs:
+                vals = vals - lse[:, None]
+            k = job.topk.k
+            yield Piece(OutputKind.TOPK_VALUES, i, (L, k), (s0, 0), _wire(vals, job.topk.dtype))
+            yield Piece(OutputKind.TOPK_IDS, i, (L, k), (s0, 0), top_ids.to(torch.int32).cpu().contiguous())
+        if cands is not None:
+            lp = vp_gather(z, cands[s0:s1], shard) - lse[:, None]                   # [c, n_cand]
+            yield Piece(OutputKind.CANDIDATE_LOGPROBS, i, tuple(cands.shape), (s0, 0), lp.cpu().contiguous())
+        if job.full_logits is not None:
+            piece = self._slice(job, i, z, s0, s1, L, V)
+            if piece is not None:
+                yield piece
+
+    def _token_logprobs(self, job: Job, i: int, ids: torch.Tensor, z: torch.Tensor,
+                        lse: torch.Tensor | None, s0: int, s1: int) -> Piece:
+        """lp[t+1] = log_softmax(z_t)[x_{t+1}] for rows t in [s0, s1); lp[0] = 0."""
+        L = len(ids)
+        n = min(s1, L - 1) - s0                                                      # rows with a target
+        targets = ids[s0 + 1 : s0 + 1 + n, None]                                     # [n, 1]
+        opts = job.logprobs
+        if opts.top_k is None and opts.top_p is None:
+            lp = vp_gather(z[:n], targets, self.shard)[:, 0] - lse[:n]               # [n]
+        else:
+            kept = apply_filters(z[:n], self.shard, opts.top_k, opts.top_p)          # [n, V/tp]
+            lp = vp_gather(kept, targets, self.shard)[:, 0] - vp_logsumexp(kept, self.shard)
+        start = s0 + 1
+        if s0 == 0:
+            lp = torch.cat([lp.new_zeros(1), lp])
+            start = 0
+        return Piece(OutputKind.TOKEN_LOGPROBS, i, (L,), (start,), lp.cpu().contiguous())
+
+    def _slice(self, job: Job, i: int, z: torch.Tensor, s0: int, s1: int, L: int, V: int) -> Piece | None:
+        """The part of the requested rectangle inside these rows and this rank's columns."""
+        r0, r1, v0, v1 = job.full_logits.bounds(L, V)
+        a, b = max(r0, s0), min(r1, s1)
+        c0, c1 = max(v0, self.shard.start), min(v1, self.shard.start + self.shard.size)
+        if a >= b or c0 >= c1:
+            return None
+        rect = z[a - s0 : b - s0, c0 - self.shard.start : c1 - self.shard.start]
+        return Piece(OutputKind.FULL_LOGITS, i, (r1 - r0, v1 - v0), (a - r0, c0 - v0),
+                     _wire(rect, job.full_logits.dtype))
+
+
+def _wire(t: torch.Tensor, dtype: WireDType) -> torch.Tensor:
+    return t.to(TORCH_WIRE[dtype]).cpu().contiguous()

@@ -1,0 +1,21 @@
+"""Domain errors of the core; the server maps each to one gRPC status in one place."""
+
+
+class LogitServeError(Exception):
+    """Base of every error a request can cause."""
+
+
+class InvalidRequest(LogitServeError, ValueError):
+    """The request is malformed or out of a bound (gRPC INVALID_ARGUMENT)."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+class OverLimit(LogitServeError):
+    """The request is valid but over a configured limit or budget (gRPC RESOURCE_EXHAUSTED)."""
+
+
+class Unavailable(LogitServeError):
+    """The server cannot serve now: shutting down, or a rank was lost (gRPC UNAVAILABLE)."""

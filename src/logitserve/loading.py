@@ -1,0 +1,101 @@
+"""Loads a local Hugging Face model directory (config.json + safetensors) offline, and names it."""
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from .spec import ModelKind, ModelLimits
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+
+# Heads that do more than a linear layer; serving them as if they did not would be silently wrong.
+_UNSUPPORTED_LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    """A model split into the body that runs once and the head that runs chunk by chunk."""
+
+    model: nn.Module          # the whole transformers model
+    body: nn.Module           # base model: ids -> last hidden state [B, S, H]
+    head: nn.Linear           # lm_head [V, H] or the reward head [num_labels, H]
+    kind: ModelKind
+    name: str
+    content_hash: str
+    architecture: str
+    vocab_size: int           # lm_head.out_features; embedding rows for reward models
+    max_seq_len: int
+    dtype: torch.dtype
+    num_labels: int           # reward models; 0 for causal LMs
+
+    @property
+    def limits(self) -> ModelLimits:
+        return ModelLimits(kind=self.kind, vocab_size=self.vocab_size, max_seq_len=self.max_seq_len)
+
+
+def content_hash(directory: Path) -> str:
+    """blake2b over the weight files' bytes, in name order: equal weights, equal hash."""
+    h = hashlib.blake2b(digest_size=16)
+    files = sorted(directory.glob("*.safetensors")) or sorted(directory.glob("*.bin"))
+    for f in files:
+        h.update(f.name.encode())
+        with open(f, "rb") as fh:
+            while block := fh.read(1 << 23):
+                h.update(block)
+    return "blake2b:" + h.hexdigest()
+
+
+def _kind_of(config) -> ModelKind:
+    archs = getattr(config, "architectures", None) or []
+    if any(a.endswith("ForSequenceClassification") for a in archs):
+        return ModelKind.REWARD
+    if any(a.endswith("ForCausalLM") or a.endswith("LMHeadModel") for a in archs):
+        return ModelKind.CAUSAL_LM
+    raise ValueError(f"config.architectures={archs}: need a *ForCausalLM or *ForSequenceClassification model")
+
+
+def load_model(directory: str | os.PathLike, dtype: str = "fp32", max_seq_len: int | None = None,
+               name: str | None = None) -> LoadedModel:
+    """Load a local model directory with transformers, never touching the network."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    path = Path(directory)
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype {dtype!r}: choose one of {sorted(DTYPES)}")
+    config = AutoConfig.from_pretrained(path, local_files_only=True)
+    for attr in _UNSUPPORTED_LOGIT_TRANSFORMS:
+        value = getattr(config, attr, None)
+        if value not in (None, 1, 1.0):
+            raise ValueError(f"config.{attr}={value}: logits that are not a plain linear head are not supported yet")
+    kind = _kind_of(config)
+    auto = AutoModelForCausalLM if kind is ModelKind.CAUSAL_LM else AutoModelForSequenceClassification
+    model = auto.from_pretrained(path, dtype=DTYPES[dtype], local_files_only=True)
+    model.eval()
+    model.requires_grad_(False)
+
+    if kind is ModelKind.CAUSAL_LM:
+        head = model.get_output_embeddings()
+        vocab = head.out_features
+        num_labels = 0
+    else:
+        head = getattr(model, "score", None) or getattr(model, "classifier", None)
+        vocab = model.get_input_embeddings().num_embeddings
+        num_labels = head.out_features
+    if not isinstance(head, nn.Linear):
+        raise ValueError(f"{type(model).__name__}: the head is {type(head).__name__}, expected a Linear layer")
+    model_max = int(getattr(config, "max_position_embeddings", 0) or 0) or 1 << 20
+    if max_seq_len is not None and max_seq_len > model_max:
+        raise ValueError(f"max_seq_len {max_seq_len} is over the model's max_position_embeddings {model_max}")
+    return LoadedModel(
+        model=model, body=model.base_model, head=head, kind=kind,
+        name=name or path.resolve().name, content_hash=content_hash(path),
+        architecture=(config.architectures or [type(model).__name__])[0],
+        vocab_size=int(vocab), max_seq_len=int(max_seq_len or model_max),
+        dtype=DTYPES[dtype], num_labels=int(num_labels),
+    )

@@ -1,0 +1,96 @@
+"""What a request asks for: typed, frozen, independent of the wire format."""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+
+
+class WireDType(enum.Enum):
+    """Element type in which a floating output travels."""
+
+    FP32 = "fp32"
+    BF16 = "bf16"
+    FP16 = "fp16"
+
+
+class OutputKind(enum.IntEnum):
+    """The outputs of SPEC.md; numbers equal the proto's Output enum."""
+
+    TOKEN_LOGPROBS = 1      # [L] fp32
+    TOPK_VALUES = 2         # [L, k]
+    TOPK_IDS = 3            # [L, k] int32
+    CANDIDATE_LOGPROBS = 4  # [L, c] fp32
+    FULL_LOGITS = 5         # [s1 - s0, v1 - v0]
+    SCORES = 6              # [num_labels] fp32
+
+
+class ModelKind(enum.Enum):
+    CAUSAL_LM = "causal_lm"
+    REWARD = "reward"
+
+
+@dataclass(frozen=True)
+class LogprobsOpts:
+    """Token logprobs, optionally under the sampler's filters (top_k first, then top_p)."""
+
+    top_k: Optional[int] = None    # keep logits >= the k-th largest
+    top_p: Optional[float] = None  # keep the smallest top set whose probability reaches p
+
+
+@dataclass(frozen=True)
+class TopKOpts:
+    k: int
+    as_logprobs: bool = False      # values as full-vocab log_softmax instead of logits
+    dtype: WireDType = WireDType.FP32
+
+
+@dataclass(frozen=True)
+class SliceOpts:
+    """A rectangle of z/T; None means the whole sequence / vocabulary."""
+
+    seq_start: Optional[int] = None
+    seq_end: Optional[int] = None
+    vocab_start: Optional[int] = None
+    vocab_end: Optional[int] = None
+    dtype: WireDType = WireDType.FP32
+
+    def bounds(self, length: int, vocab: int) -> tuple[int, int, int, int]:
+        """(s0, s1, v0, v1) for a sequence of this length, after validation."""
+        s0 = 0 if self.seq_start is None else self.seq_start
+        s1 = length if self.seq_end is None else self.seq_end
+        v0 = 0 if self.vocab_start is None else self.vocab_start
+        v1 = vocab if self.vocab_end is None else self.vocab_end
+        return s0, s1, v0, v1
+
+
+@dataclass(frozen=True)
+class Job:
+    """One request: ragged sequences and the outputs wanted from one forward pass."""
+
+    sequences: tuple[np.ndarray, ...]                  # int32 [L_i] each
+    temperature: float = 1.0
+    logprobs: Optional[LogprobsOpts] = None
+    topk: Optional[TopKOpts] = None
+    candidates: Optional[tuple[np.ndarray, ...]] = None  # int32 [L_i, c_i] each
+    full_logits: Optional[SliceOpts] = None
+    scores: bool = False
+
+    @property
+    def num_tokens(self) -> int:
+        return int(sum(len(s) for s in self.sequences))
+
+    @property
+    def wants_token_outputs(self) -> bool:
+        return any(x is not None for x in (self.logprobs, self.topk, self.candidates, self.full_logits))
+
+
+@dataclass(frozen=True)
+class ModelLimits:
+    """The bounds a request is validated against."""
+
+    kind: ModelKind
+    vocab_size: int        # V: lm_head.out_features (embedding rows for reward models)
+    max_seq_len: int

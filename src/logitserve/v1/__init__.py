@@ -1,0 +1,1 @@
+"""Generated gRPC stubs of proto/logitserve/v1/logitserve.proto (built by setup.py, never edited)."""

@@ -1,0 +1,81 @@
+"""Checks a Job against SPEC.md's bounds; every failure names the field and the bound."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from .errors import InvalidRequest
+from .spec import Job, ModelKind, ModelLimits
+
+
+def _check_ids(field: str, ids: np.ndarray, vocab: int) -> None:
+    if ids.size == 0:
+        return
+    lo, hi = int(ids.min()), int(ids.max())
+    if lo < 0 or hi >= vocab:
+        bad = int(np.flatnonzero((ids.reshape(-1) < 0) | (ids.reshape(-1) >= vocab))[0])
+        where = np.unravel_index(bad, ids.shape)
+        index = "".join(f"[{int(i)}]" for i in where)
+        raise InvalidRequest(f"{field}{index}", f"token id {int(ids.reshape(-1)[bad])} is outside [0, {vocab})")
+
+
+def _check_int_range(field: str, value: int, lo: int, hi: int) -> None:
+    if not lo <= value <= hi:
+        raise InvalidRequest(field, f"{value} is outside [{lo}, {hi}]")
+
+
+def validate_job(job: Job, limits: ModelLimits) -> None:
+    """Raise InvalidRequest for the first thing in `job` outside its bound."""
+    V = limits.vocab_size
+    if not job.sequences:
+        raise InvalidRequest("sequences", "at least one sequence is needed")
+    for i, seq in enumerate(job.sequences):
+        if seq.ndim != 1:
+            raise InvalidRequest(f"sequences[{i}]", f"must be 1-D token ids, got shape {list(seq.shape)}")
+        if len(seq) == 0:
+            raise InvalidRequest(f"sequences[{i}]", "empty sequence; length must be >= 1")
+        if len(seq) > limits.max_seq_len:
+            raise InvalidRequest(f"sequences[{i}]",
+                                 f"length {len(seq)} is over the server's max_sequence_length {limits.max_seq_len}")
+        _check_ids(f"sequences[{i}]", seq, V)
+
+    T = job.temperature
+    if not (math.isfinite(T) and T > 0):
+        raise InvalidRequest("temperature", f"{T} must be a finite number > 0")
+
+    wants_tokens = job.wants_token_outputs
+    if not wants_tokens and not job.scores:
+        raise InvalidRequest("outputs", "no output requested: set logprobs, topk, candidates, full_logits or scores")
+    if limits.kind is ModelKind.REWARD and wants_tokens:
+        raise InvalidRequest("outputs", "this server holds a reward model; it answers scores only")
+    if limits.kind is ModelKind.CAUSAL_LM and job.scores:
+        raise InvalidRequest("scores", "this server holds a causal LM; scores need a reward (sequence-classification) model")
+
+    if job.logprobs is not None:
+        if job.logprobs.top_k is not None:
+            _check_int_range("logprobs.top_k", job.logprobs.top_k, 1, V)
+        p = job.logprobs.top_p
+        if p is not None and not (0.0 < p <= 1.0):
+            raise InvalidRequest("logprobs.top_p", f"{p} is outside (0, 1]")
+    if job.topk is not None:
+        _check_int_range("topk.k", job.topk.k, 1, V)
+    if job.candidates is not None:
+        if len(job.candidates) != len(job.sequences):
+            raise InvalidRequest("candidates.ids",
+                                 f"{len(job.candidates)} tensors given; one per sequence ({len(job.sequences)}) needed")
+        for i, (cand, seq) in enumerate(zip(job.candidates, job.sequences)):
+            if cand.ndim != 2 or cand.shape[0] != len(seq) or cand.shape[1] < 1:
+                raise InvalidRequest(f"candidates.ids[{i}]",
+                                     f"shape {list(cand.shape)} must be [L={len(seq)}, c] with c >= 1")
+            _check_ids(f"candidates.ids[{i}]", cand, V)
+    if job.full_logits is not None:
+        sl = job.full_logits
+        for i, seq in enumerate(job.sequences):
+            s0, s1, v0, v1 = sl.bounds(len(seq), V)
+            if not (0 <= s0 < s1 <= len(seq)):
+                raise InvalidRequest("full_logits.seq_start/seq_end",
+                                     f"[{s0}, {s1}) is not a non-empty range inside [0, {len(seq)}) of sequences[{i}]")
+            if not (0 <= v0 < v1 <= V):
+                raise InvalidRequest("full_logits.vocab_start/vocab_end",
+                                     f"[{v0}, {v1}) is not a non-empty range inside [0, {V})")

@@ -1,0 +1,79 @@
+"""Vocab-parallel reductions over logits sharded along the vocabulary (SPEC.md, TP).
+
+Every function takes this rank's shard `z` of the logits, `[N, V_local]` fp32,
+and a `VocabShard` saying which global columns it holds. With `group=None`
+(tp = 1) the collectives vanish and the same code computes on the full row.
+Padded columns (when tp does not divide V) hold -inf, so they never win.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class VocabShard:
+    start: int                # global id of local column 0
+    size: int                 # local columns, padding included
+    vocab_size: int           # the true V
+    group: Optional[dist.ProcessGroup] = None  # the TP group; None when tp = 1
+
+    @property
+    def distributed(self) -> bool:
+        return self.group is not None
+
+
+def full_vocab(vocab_size: int) -> VocabShard:
+    return VocabShard(start=0, size=vocab_size, vocab_size=vocab_size, group=None)
+
+
+def _all_reduce(t: torch.Tensor, op, shard: VocabShard) -> torch.Tensor:
+    if shard.distributed:
+        dist.all_reduce(t, op=op, group=shard.group)
+    return t
+
+
+def vp_max(z: torch.Tensor, shard: VocabShard) -> torch.Tensor:
+    """Row max over the full vocabulary. z: [N, V/tp] -> [N]."""
+    return _all_reduce(z.amax(dim=-1), dist.ReduceOp.MAX, shard)
+
+
+def vp_logsumexp(z: torch.Tensor, shard: VocabShard) -> torch.Tensor:
+    """log(sum(exp(z))) over the full vocabulary. z: [N, V/tp] -> [N]."""
+    m = vp_max(z, shard)                                             # [N]
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))       # rows of all -inf stay -inf below
+    s = torch.exp(z - m[:, None]).sum(dim=-1)                        # [N]
+    _all_reduce(s, dist.ReduceOp.SUM, shard)
+    return m + torch.log(s)
+
+
+def vp_gather(z: torch.Tensor, ids: torch.Tensor, shard: VocabShard) -> torch.Tensor:
+    """z at global columns `ids`, taken by the rank that owns each. z: [N, V/tp], ids: [N, c] -> [N, c]."""
+    local = ids - shard.start                                        # [N, c]
+    if not shard.distributed:
+        return z.gather(-1, local)
+    owned = (local >= 0) & (local < shard.size)
+    vals = z.gather(-1, local.clamp(0, shard.size - 1))
+    vals = torch.where(owned, vals, torch.zeros_like(vals))          # exactly one rank adds a non-zero
+    return _all_reduce(vals, dist.ReduceOp.SUM, shard)
+
+
+def vp_topk(z: torch.Tensor, k: int, shard: VocabShard) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k largest of each row, sorted descending, with global int64 ids. z: [N, V/tp] -> [N, k] x2."""
+    k_local = min(k, shard.size)
+    vals, idx = torch.topk(z, k_local, dim=-1, sorted=True)          # [N, k_local]
+    idx = idx + shard.start
+    if not shard.distributed:
+        return vals, idx
+    world = dist.get_world_size(shard.group)
+    all_vals = [torch.empty_like(vals) for _ in range(world)]
+    all_idx = [torch.empty_like(idx) for _ in range(world)]
+    dist.all_gather(all_vals, vals.contiguous(), group=shard.group)
+    dist.all_gather(all_idx, idx.contiguous(), group=shard.group)
+    cat_vals = torch.cat(all_vals, dim=-1)                           # [N, tp * k_local]
+    cat_idx = torch.cat(all_idx, dim=-1)
+    top_vals, pos = torch.topk(cat_vals, k, dim=-1, sorted=True)     # [N, k]
+    return top_vals, cat_idx.gather(-1, pos)
