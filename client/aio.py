@@ -33,6 +33,7 @@ class AsyncTeacherClient(OutputsMixin):
         self._pending: dict[str, tuple[Assembly, asyncio.Future]] = {}
         self._ids = itertools.count()
         self._open_lock = asyncio.Lock()
+        self._write_lock = asyncio.Lock()   # grpc.aio allows one write at a time per stream
 
     async def __aenter__(self) -> "AsyncTeacherClient":
         return self
@@ -66,7 +67,8 @@ class AsyncTeacherClient(OutputsMixin):
         fut = asyncio.get_running_loop().create_future()
         self._pending[rid] = (Assembly(len(req.sequences), wanted_fields(req), bf16_as_torch), fut)
         try:
-            await call.write(req)
+            async with self._write_lock:
+                await call.write(req)
         except (grpc.RpcError, asyncio.InvalidStateError) as e:
             self._pending.pop(rid, None)
             if isinstance(e, grpc.RpcError):

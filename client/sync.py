@@ -35,10 +35,18 @@ class TeacherClient(OutputsMixin):
     def close(self) -> None:
         if self._loop.is_closed():
             return
-        self._run(self._aio.close())
+        self._run(self._close_all())
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join()
         self._loop.close()
+
+    async def _close_all(self) -> None:
+        """Close the client, then let grpc's own tasks finish so none dies pending with the loop."""
+        await self._aio.close()
+        others = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        for t in others:
+            t.cancel()
+        await asyncio.gather(*others, return_exceptions=True)
 
     def model_info(self, timeout: float | None = None) -> ModelInfo:
         return self._run(self._aio.model_info(timeout))

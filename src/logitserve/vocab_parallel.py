@@ -45,7 +45,7 @@ def vp_logsumexp(z: torch.Tensor, shard: VocabShard) -> torch.Tensor:
     """log(sum(exp(z))) over the full vocabulary. z: [N, V/tp] -> [N]."""
     m = vp_max(z, shard)                                             # [N]
     m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))       # rows of all -inf stay -inf below
-    s = torch.exp(z - m[:, None]).sum(dim=-1)                        # [N]
+    s = (z - m[:, None]).exp_().sum(dim=-1)                          # [N]; one [N, V/tp] temporary
     _all_reduce(s, dist.ReduceOp.SUM, shard)
     return m + torch.log(s)
 

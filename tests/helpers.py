@@ -1,0 +1,103 @@
+"""Test helpers: small real transformers models, an in-process server on loopback, plain-torch references."""
+from __future__ import annotations
+
+import asyncio
+import threading
+from pathlib import Path
+
+import numpy as np
+import torch
+
+VOCAB = 1003   # odd on purpose: does not divide by any tp
+
+
+def build_model(directory: Path, arch: str, kind: str = "causal", vocab: int = VOCAB, hidden: int = 64,
+                layers: int = 2, max_pos: int = 512, seed: int = 0, num_labels: int = 1) -> Path:
+    """Save a small random model of `arch` as a normal HF directory."""
+    import transformers as tf
+
+    common = dict(vocab_size=vocab, num_labels=num_labels, pad_token_id=0)
+    if arch == "llama":
+        cfg = tf.LlamaConfig(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_pos,
+                             initializer_range=0.1, tie_word_embeddings=False, **common)
+        cls = tf.LlamaForCausalLM if kind == "causal" else tf.LlamaForSequenceClassification
+    elif arch == "qwen2":
+        cfg = tf.Qwen2Config(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_pos,
+                             initializer_range=0.1, tie_word_embeddings=False, **common)
+        cls = tf.Qwen2ForCausalLM if kind == "causal" else tf.Qwen2ForSequenceClassification
+    elif arch == "gpt2":
+        cfg = tf.GPT2Config(n_embd=hidden, n_layer=layers, n_head=4, n_positions=max_pos,
+                            initializer_range=0.1, **common)
+        cls = tf.GPT2LMHeadModel if kind == "causal" else tf.GPT2ForSequenceClassification
+    else:
+        raise ValueError(arch)
+    torch.manual_seed(seed)
+    model = cls(cfg).float().eval()
+    model.save_pretrained(directory, safe_serialization=True)
+    return directory
+
+
+class Reference:
+    """Plain transformers on the full tensor in float64: the independent reference."""
+
+    def __init__(self, directory: Path):
+        import transformers as tf
+
+        cfg = tf.AutoConfig.from_pretrained(directory)
+        auto = (tf.AutoModelForSequenceClassification
+                if cfg.architectures[0].endswith("ForSequenceClassification") else tf.AutoModelForCausalLM)
+        self.model = auto.from_pretrained(directory, dtype=torch.float64).eval()
+        self.fp32 = auto.from_pretrained(directory, dtype=torch.float32).eval()
+
+    @torch.no_grad()
+    def logits(self, seq, temperature: float = 1.0, fp32: bool = False) -> torch.Tensor:
+        """[L, V] logits / T (float64, or the fp32 model's own fp32 logits)."""
+        model = self.fp32 if fp32 else self.model
+        z = model(torch.as_tensor(np.asarray(seq), dtype=torch.long)[None]).logits[0]
+        return z / temperature
+
+
+def ref_token_logprobs(z: torch.Tensor, seq, top_k=None, top_p=None) -> np.ndarray:
+    """SPEC.md token logprobs from full [L, V] logits, with the filter rule written out by sort."""
+    z = z.double()
+    if top_k is not None:
+        kth = torch.sort(z, dim=-1, descending=True).values[:, top_k - 1 : top_k]
+        z = torch.where(z >= kth, z, torch.full_like(z, float("-inf")))
+    if top_p is not None:
+        sorted_z = torch.sort(z, dim=-1, descending=True).values
+        probs = torch.softmax(sorted_z, dim=-1)
+        cum_before = torch.cumsum(probs, dim=-1) - probs
+        keep_sorted = cum_before < top_p           # the prefix up to the entry that reaches p
+        last = keep_sorted.sum(dim=-1, keepdim=True) - 1
+        tau = sorted_z.gather(-1, last)
+        z = torch.where(z >= tau, z, torch.full_like(z, float("-inf")))
+    lp = torch.log_softmax(z, dim=-1)
+    seq = torch.as_tensor(np.asarray(seq), dtype=torch.long)
+    out = torch.zeros(len(seq), dtype=torch.float64)
+    out[1:] = lp[:-1].gather(-1, seq[1:, None])[:, 0]
+    return out.numpy()
+
+
+def random_seqs(rng: np.random.Generator, lengths, vocab: int = VOCAB) -> list[np.ndarray]:
+    return [rng.integers(0, vocab, n).astype(np.int64) for n in lengths]
+
+
+class ServerThread:
+    """A real logitserve gRPC server on 127.0.0.1, run by its own event loop on a thread."""
+
+    def __init__(self, loaded, config=None, run=None):
+        from logitserve.server.app import ServerConfig, create_server
+
+        config = config or ServerConfig(port=0)
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.running = asyncio.run_coroutine_threadsafe(create_server(loaded, config, run=run), self.loop).result()
+        self.address = f"127.0.0.1:{self.running.port}"
+
+    def stop(self) -> None:
+        asyncio.run_coroutine_threadsafe(self.running.stop(0), self.loop).result()
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join()

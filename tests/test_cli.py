@@ -1,0 +1,58 @@
+"""The `logitserve` command as a user runs it: serve, info, query, export-demo, graceful stop."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from conftest import CliServer
+from logitserve.loading import content_hash
+
+
+def _cli(*args: str) -> str:
+    out = subprocess.run([sys.executable, "-m", "logitserve.server.cli", *args], capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr
+    return out.stdout
+
+
+def test_info_reports_the_demo_model(demo_cli_server):
+    out = _cli("info", demo_cli_server.address)
+    assert "logitserve-demo-causal" in out and "LlamaForCausalLM" in out and "32000" in out
+    assert "blake2b:" in out and "causal_lm" in out
+
+
+def test_query_prints_a_table_of_logprobs_and_topk(demo_cli_server):
+    out = _cli("query", demo_cli_server.address, "--ids", "1,5,9,200", "--topk", "3")
+    rows = [line.split() for line in out.splitlines() if line.strip() and line.split()[0].isdigit()]
+    assert [r[1] for r in rows] == ["1", "5", "9", "200"]
+    assert float(rows[0][2]) == 0.0 and all(float(r[2]) < 0 for r in rows[1:])
+    assert all(len(r) == 3 + 3 for r in rows)   # pos, token, logprob, 3 x id:logprob
+
+
+def test_query_of_a_bad_id_prints_the_status_and_fails(demo_cli_server):
+    out = subprocess.run([sys.executable, "-m", "logitserve.server.cli", "query", demo_cli_server.address,
+                          "--ids", "1,99999"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1 and "INVALID_ARGUMENT" in out.stderr and "sequences[0][1]" in out.stderr
+
+
+def test_export_demo_is_deterministic(tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    _cli("export-demo", str(a))
+    _cli("export-demo", str(b))
+    assert content_hash(a) == content_hash(b)
+    assert (a / "tokenizer.json").exists() and (a / "config.json").exists()
+
+
+def test_reward_demo_serves_scores_and_stops_cleanly_on_sigterm():
+    from logitserve.client import TeacherClient
+
+    server = CliServer("--demo", "reward")
+    try:
+        with TeacherClient(server.address) as c:
+            info = c.model_info()
+            scores = c.scores([[1, 2, 3], [4, 5]])
+    finally:
+        code = server.stop()
+    assert info.kind == "reward" and info.name == "logitserve-demo-reward"
+    assert [s.shape for s in scores] == [(1,), (1,)]
+    assert code == 0
