@@ -1,0 +1,26 @@
+# Two commands do all the set-up on a fresh machine: `make serve` and `make test`.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+# CPU torch first: with no torch present an unpinned install would pull a multi-GB CUDA build.
+TORCH ?= torch==2.13.0
+
+.PHONY: install serve test test-fast bench
+$(STAMP): pyproject.toml setup.py proto/logitserve/v1/logitserve.proto
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet $(TORCH)
+	$(BIN)/pip install --quiet -e ".[test]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+serve: $(STAMP)  ## the server on the embedded demo model, port 50051; add ARGS="--demo reward" etc.
+	$(BIN)/logitserve serve $(ARGS)
+
+test: $(STAMP)   ## the whole suite
+	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+bench: $(STAMP)  ## the benchmark: writes bench/results/*.json and prints a markdown table
+	$(BIN)/python bench/run.py $(ARGS)
