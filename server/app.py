@@ -14,6 +14,7 @@ import logitserve
 from logitserve.engine import Engine, EngineConfig
 from logitserve.layout import Layout, single_process
 from logitserve.loading import LoadedModel, load_model
+from logitserve.parallel import ParallelConfig
 from logitserve.v1 import logitserve_pb2_grpc as pb_grpc
 
 from . import codec
@@ -32,6 +33,7 @@ class ModelConfig:
     demo: str = "causal"                # demo kind when path is None: causal | reward
     dtype: str = "fp32"                 # fp32 | bf16 | fp16
     max_seq_len: Optional[int] = None   # default: the model's max_position_embeddings
+    device: str = "cpu"                 # single-process serving: cpu | cuda | auto
 
 
 @dataclass(frozen=True)
@@ -55,7 +57,13 @@ def load(model: ModelConfig) -> LoadedModel:
 
     path = model.path or demo_dir(model.demo)
     name = None if model.path else f"logitserve-demo-{model.demo}"
-    return load_model(path, dtype=model.dtype, max_seq_len=model.max_seq_len, name=name)
+    loaded = load_model(path, dtype=model.dtype, max_seq_len=model.max_seq_len, name=name)
+    if model.device != "cpu":
+        import torch
+
+        if model.device == "cuda" or torch.cuda.is_available():
+            loaded.model.to("cuda")
+    return loaded
 
 
 @dataclass
@@ -72,12 +80,12 @@ class Running:
 
 
 async def create_server(loaded: LoadedModel, config: ServerConfig, layout: Optional[Layout] = None,
-                        run=None) -> Running:
-    """Build and start a server for a loaded model; `run` replaces the local engine (distributed serving)."""
+                        run=None, idle=None) -> Running:
+    """Build and start a server for a loaded model; `run` and `idle` replace the local engine (distributed)."""
     layout = layout or single_process(str(loaded.head.weight.device))
     if run is None:
         run = Engine(loaded, config.engine).run
-    worker = Worker(run)
+    worker = Worker(run, idle=idle)
     info = codec.encode_model_info(loaded, layout, config.max_message_bytes, logitserve.__version__)
     server = grpc.aio.server(options=[
         ("grpc.max_receive_message_length", config.max_request_bytes),
@@ -96,17 +104,79 @@ async def create_server(loaded: LoadedModel, config: ServerConfig, layout: Optio
     return Running(server, port, worker, health_servicer)
 
 
-async def serve(model: ModelConfig, config: ServerConfig) -> None:
-    """Load, serve until SIGINT/SIGTERM, then drain for config.grace_s."""
-    loaded = load(model)
-    running = await create_server(loaded, config)
-    log.info("serving %s (%s, %s) on %s:%d", loaded.name, loaded.content_hash, loaded.architecture,
-             config.host, running.port)
-    print(f"logitserve: serving {loaded.name} on {config.host}:{running.port}", flush=True)
+async def _until_stopped(running: Running, config: ServerConfig, fatal: asyncio.Event) -> None:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
+    waiters = [asyncio.ensure_future(stop.wait()), asyncio.ensure_future(fatal.wait())]
+    await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+    for w in waiters:
+        w.cancel()
     log.info("shutting down (grace %.1fs)", config.grace_s)
     await running.stop(config.grace_s)
+
+
+def _announce(loaded: LoadedModel, config: ServerConfig, port: int, layout: Layout) -> None:
+    log.info("serving %s (%s, %s) tp=%d cp=%d on %s:%d", loaded.name, loaded.content_hash, loaded.architecture,
+             layout.tp, layout.cp, config.host, port)
+    print(f"logitserve: serving {loaded.name} on {config.host}:{port}", flush=True)
+
+
+async def serve(model: ModelConfig, config: ServerConfig) -> int:
+    """One process, one rank: load, serve until SIGINT/SIGTERM, then drain for config.grace_s."""
+    loaded = load(model)
+    running = await create_server(loaded, config)
+    _announce(loaded, config, running.port, single_process(str(loaded.head.weight.device)))
+    await _until_stopped(running, config, asyncio.Event())
+    return 0
+
+
+def serve_rank(model: ModelConfig, config: ServerConfig, parallel: ParallelConfig) -> int:
+    """This process's rank of a tp x cp server: rank 0 serves gRPC, the others follow. Non-zero on a lost rank."""
+    import torch.distributed as dist
+
+    from logitserve.distributed import DistributedRunner, follow
+    from logitserve.parallel import apply_parallelism, gather_layout, init_parallel
+
+    ctx = init_parallel(parallel)
+    try:
+        loaded, shard = apply_parallelism(load(model), ctx)
+        engine = Engine(loaded, config.engine, shard, ctx)
+        layout = gather_layout(ctx)
+        if not ctx.is_root:
+            follow(engine, ctx)
+            return 0
+        return asyncio.run(_serve_root(loaded, engine, ctx, layout, config))
+    except Exception:
+        log.exception("rank %d failed", ctx.rank)
+        return 1
+    finally:
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:
+                pass
+
+
+async def _serve_root(loaded, engine, ctx, layout: Layout, config: ServerConfig) -> int:
+    from logitserve.distributed import DistributedRunner
+
+    loop = asyncio.get_running_loop()
+    fatal = asyncio.Event()
+    runner = DistributedRunner(engine, ctx, on_fatal=lambda reason: loop.call_soon_threadsafe(fatal.set))
+    running = await create_server(loaded, config, layout, run=runner.run, idle=runner.heartbeat)
+    _announce(loaded, config, running.port, layout)
+
+    async def not_serving():
+        await fatal.wait()
+        running.health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+        running.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.NOT_SERVING)
+    watcher = asyncio.ensure_future(not_serving())
+    await _until_stopped(running, config, fatal)
+    watcher.cancel()
+    if runner.failed:
+        log.error("exiting: a rank was lost (%s)", runner.failed)
+        return 1
+    await asyncio.to_thread(runner.stop)
+    return 0

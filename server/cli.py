@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import sys
 
 
@@ -17,7 +18,11 @@ def _serve_parser(sub) -> None:
     p.add_argument("--logprob-chunk-size", type=int, default=512, help="logits rows materialized at a time")
     p.add_argument("--max-seq-len", type=int, default=None, help="default: the model's max_position_embeddings")
     p.add_argument("--max-message-bytes", type=int, default=4 << 20, help="every response message stays under this")
-    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
+    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads per rank")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (vocab-parallel logits)")
+    p.add_argument("--cp", type=int, default=1, help="context-parallel ranks (long sequences)")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    p.add_argument("--collective-timeout", type=float, default=60.0, help="seconds before a collective fails")
 
 
 def _client_parsers(sub) -> None:
@@ -33,22 +38,32 @@ def _client_parsers(sub) -> None:
     e.add_argument("--kind", choices=["causal", "reward"], default="causal")
 
 
-def _cmd_serve(args) -> int:
+def _cmd_serve(args, argv: list[str]) -> int:
     import torch
     from transformers.utils import logging as hf_logging
 
     from logitserve.engine import EngineConfig
+    from logitserve.parallel import ParallelConfig
 
-    from .app import ModelConfig, ServerConfig, serve
+    from .app import ModelConfig, ServerConfig, serve, serve_rank
+    from .launch import spawn_local, under_torchrun
 
+    parallel = ParallelConfig(tp=args.tp, cp=args.cp, collective_timeout_s=args.collective_timeout,
+                              device=args.device)
+    if parallel.world_size > 1 and not under_torchrun():
+        return spawn_local(argv[1:], parallel.world_size, args.threads)
     hf_logging.disable_progress_bar()
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    threads = args.threads or int(os.environ.get("OMP_NUM_THREADS", "0"))
+    if threads:
+        torch.set_num_threads(threads)
     model = ModelConfig(path=args.model, demo=args.demo, dtype=args.dtype, max_seq_len=args.max_seq_len)
     config = ServerConfig(host=args.host, port=args.port, max_message_bytes=args.max_message_bytes,
                           engine=EngineConfig(chunk_size=args.logprob_chunk_size))
-    asyncio.run(serve(model, config))
-    return 0
+    if under_torchrun():
+        return serve_rank(model, config, parallel)
+    import dataclasses
+
+    return asyncio.run(serve(dataclasses.replace(model, device=args.device), config))
 
 
 def _cmd_info(args) -> int:
@@ -88,9 +103,11 @@ def main(argv=None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     _serve_parser(sub)
     _client_parsers(sub)
+    argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    commands = {"serve": _cmd_serve, "info": _cmd_info, "query": _cmd_query, "export-demo": _cmd_export}
+    commands = {"serve": lambda a: _cmd_serve(a, argv), "info": _cmd_info, "query": _cmd_query,
+                "export-demo": _cmd_export}
     try:
         return commands[args.command](args)
     except Exception as e:  # the client's LogitServeError included: one line, not a traceback

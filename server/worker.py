@@ -2,9 +2,9 @@
 from __future__ import annotations
 
 import asyncio
+import queue
 import threading
-from concurrent.futures import ThreadPoolExecutor
-from typing import AsyncIterator, Callable, Iterator
+from typing import AsyncIterator, Callable, Iterator, Optional
 
 from logitserve.engine import Piece
 from logitserve.spec import Job
@@ -22,21 +22,41 @@ class _Failed:
 
 
 class Worker:
-    """FIFO of jobs on a single thread (the model is not re-entrant); each job's pieces flow back as produced.
+    """FIFO of jobs on a single thread (the model is not re-entrant and ranks must see one order).
 
     A job may hold at most `max_pending` pieces not yet taken by its consumer, so a
     slow client bounds the server's memory instead of growing it. A consumer that
-    goes away (cancelled, deadline) stops its job at the next piece.
+    goes away (cancelled, deadline) stops its job at the next piece. With no job for
+    `idle_s`, the thread calls `idle()` (the distributed heartbeat).
     """
 
-    def __init__(self, run: Callable[[Job], Iterator[Piece]], max_pending: int = 2):
+    def __init__(self, run: Callable[[Job], Iterator[Piece]], max_pending: int = 2,
+                 idle: Optional[Callable[[], None]] = None, idle_s: float = 2.0):
         self._run = run
         self._max_pending = max_pending
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="logitserve-compute")
+        self._idle = idle
+        self._idle_s = idle_s
+        self._tasks: queue.Queue = queue.Queue()
+        self._thread = threading.Thread(target=self._loop, name="logitserve-compute", daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while True:
+            try:
+                task = self._tasks.get(timeout=self._idle_s if self._idle else None)
+            except queue.Empty:
+                try:
+                    self._idle()
+                except Exception:   # reported by the runner; the next job gets its status
+                    pass
+                continue
+            if task is None:
+                return
+            task()
 
     async def stream(self, job: Job) -> AsyncIterator[Piece]:
         loop = asyncio.get_running_loop()
-        queue: asyncio.Queue = asyncio.Queue()
+        results: asyncio.Queue = asyncio.Queue()
         credits = threading.Semaphore(self._max_pending)
         cancelled = threading.Event()
 
@@ -45,15 +65,16 @@ class Worker:
                 if cancelled.is_set():
                     raise _Cancelled()
             try:
-                loop.call_soon_threadsafe(queue.put_nowait, item)
+                loop.call_soon_threadsafe(results.put_nowait, item)
             except RuntimeError as e:  # the event loop is gone: the server is stopping
                 raise _Cancelled() from e
 
         def produce() -> None:
             if cancelled.is_set():
                 return
+            pieces = self._run(job)
             try:
-                for piece in self._run(job):
+                for piece in pieces:
                     if cancelled.is_set():
                         return
                     send(piece)
@@ -65,11 +86,13 @@ class Worker:
                     send(_Failed(e))
                 except _Cancelled:
                     pass
+            finally:
+                pieces.close()   # a job left early still finishes its collectives
 
-        loop.run_in_executor(self._executor, produce)
+        self._tasks.put(produce)
         try:
             while True:
-                item = await queue.get()
+                item = await results.get()
                 credits.release()
                 if item is _DONE:
                     return
@@ -80,4 +103,4 @@ class Worker:
             cancelled.set()
 
     def shutdown(self) -> None:
-        self._executor.shutdown(wait=False, cancel_futures=True)
+        self._tasks.put(None)

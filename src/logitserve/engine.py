@@ -13,7 +13,9 @@ import torch
 import torch.nn.functional as F
 
 from .filters import apply_filters
+from .context_parallel import cp_forward, head_tail
 from .loading import LoadedModel
+from .parallel import ParallelContext, single_rank
 from .spec import Job, OutputKind, WireDType
 from .vocab_parallel import VocabShard, full_vocab, vp_gather, vp_logsumexp, vp_topk
 
@@ -41,20 +43,31 @@ class Piece:
 
 
 class Engine:
-    """Owns a loaded model and turns Jobs into Pieces."""
+    """Owns a (possibly sharded) model and turns Jobs into Pieces on this rank.
+
+    `steps` yields one list of Pieces per step, and every rank takes the same
+    number of steps for a job, so a distributed runner can gather step by step.
+    Under TP only tp_rank 0 emits the outputs every TP rank holds alike; each TP
+    rank emits its own vocab columns of full-logits slices.
+    """
 
     def __init__(self, loaded: LoadedModel, config: EngineConfig = EngineConfig(),
-                 shard: VocabShard | None = None):
+                 shard: VocabShard | None = None, parallel: ParallelContext | None = None):
         self.loaded = loaded
         self.config = config
         self.shard = shard or full_vocab(loaded.vocab_size)
+        self.parallel = parallel or single_rank(str(loaded.head.weight.device))
         self.device = loaded.head.weight.device
+        self.emits_replicated = self.parallel.tp_rank == 0
+        # Local columns from here on are padding (tp does not divide V): masked to -inf.
+        self._pad_from = min(self.shard.size, max(0, self.shard.vocab_size - self.shard.start))
 
     # -- the model ------------------------------------------------------------
     @torch.inference_mode()
     def hidden(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Last hidden state of the body. ids, positions: [L] -> [L, H]."""
-        out = self.loaded.body(input_ids=ids[None], position_ids=positions[None], use_cache=False)
+        """Last hidden state of the body at these global positions. ids, positions: [n] -> [n, H]."""
+        with cp_forward(self.parallel.cp_group, positions):
+            out = self.loaded.body(input_ids=ids[None], position_ids=positions[None], use_cache=False)
         return out.last_hidden_state[0]
 
     @torch.inference_mode()
@@ -63,29 +76,47 @@ class Engine:
         z = F.linear(h, self.loaded.head.weight, self.loaded.head.bias).float()
         if temperature != 1.0:
             z.div_(temperature)
+        if self._pad_from < z.shape[-1]:
+            z[:, self._pad_from :] = float("-inf")
         return z
 
     # -- one job --------------------------------------------------------------
     def run(self, job: Job) -> Iterator[Piece]:
-        """Every Piece of the job's outputs, sequence by sequence, chunk by chunk."""
+        """Every Piece this rank emits for the job, in order."""
+        for pieces in self.steps(job):
+            yield from pieces
+
+    def steps(self, job: Job) -> Iterator[list[Piece]]:
+        """This rank's Pieces, step by step: per sequence, per run of rows it holds, per chunk of rows."""
+        p = self.parallel
         for i, seq in enumerate(job.sequences):
-            ids = torch.from_numpy(seq.astype("int64", copy=False)).to(self.device)   # [L]
-            positions = torch.arange(len(seq), device=self.device)                   # [L]
-            h = self.hidden(ids, positions)                                          # [L, H]
+            L = len(seq)
+            ids = torch.from_numpy(seq.astype("int64", copy=False)).to(self.device)             # [L]
+            positions, runs = head_tail(L, p.cp, p.cp_rank)                                     # [n_local]
+            positions = positions.to(self.device)
+            local_ids = F.pad(ids, (0, max(0, int(positions.max()) + 1 - L)))[positions]        # [n_local]
+            h = self.hidden(local_ids, positions)                                               # [n_local, H]
             if job.scores:
-                yield self._score(i, h)
+                yield [self._score(i, h, positions, L)] if self.emits_replicated and bool((positions == L - 1).any()) else []
                 continue
             cands = None
             if job.candidates is not None:
                 cands = torch.from_numpy(job.candidates[i].astype("int64", copy=False)).to(self.device)
             chunk = self.config.chunk_size
-            for s0 in range(0, len(seq), chunk):
-                s1 = min(s0 + chunk, len(seq))
-                yield from self._chunk(job, i, ids, h[s0:s1], s0, s1, cands)
+            for run in runs:
+                for c0 in range(0, run.length, chunk):
+                    s0 = run.start + c0                               # global rows [s0, s1) of this step
+                    s1 = min(run.start + min(c0 + chunk, run.length), L)
+                    if s0 >= s1:                                      # all padding: an empty step
+                        yield []
+                        continue
+                    rows = h[run.local + c0 : run.local + c0 + (s1 - s0)]
+                    yield list(self._chunk(job, i, ids, rows, s0, s1, cands))
 
     @torch.inference_mode()
-    def _score(self, i: int, h: torch.Tensor) -> Piece:
-        score = F.linear(h[-1:], self.loaded.head.weight, self.loaded.head.bias).float()[0]   # [num_labels]
+    def _score(self, i: int, h: torch.Tensor, positions: torch.Tensor, L: int) -> Piece:
+        last = h[positions == L - 1]                                                          # [1, H]
+        score = F.linear(last, self.loaded.head.weight, self.loaded.head.bias).float()[0]     # [num_labels]
         return Piece(OutputKind.SCORES, i, tuple(score.shape), (0,), score.cpu().contiguous())
 
     @torch.inference_mode()
@@ -98,18 +129,23 @@ class Engine:
         needs_lse = unfiltered_lp or (job.topk is not None and job.topk.as_logprobs) or cands is not None
         lse = vp_logsumexp(z, shard) if needs_lse else None                         # [c]
 
+        replicated = self.emits_replicated
         if job.logprobs is not None and (s0 == 0 or s0 + 1 < len(ids)):
-            yield self._token_logprobs(job, i, ids, z, lse, s0, s1)
+            piece = self._token_logprobs(job, i, ids, z, lse, s0, s1)
+            if replicated:
+                yield piece
         if job.topk is not None:
             vals, top_ids = vp_topk(z, job.topk.k, shard)                           # [c, k]
             if job.topk.as_logprobs:
                 vals = vals - lse[:, None]
             k = job.topk.k
-            yield Piece(OutputKind.TOPK_VALUES, i, (L, k), (s0, 0), _wire(vals, job.topk.dtype))
-            yield Piece(OutputKind.TOPK_IDS, i, (L, k), (s0, 0), top_ids.to(torch.int32).cpu().contiguous())
+            if replicated:
+                yield Piece(OutputKind.TOPK_VALUES, i, (L, k), (s0, 0), _wire(vals, job.topk.dtype))
+                yield Piece(OutputKind.TOPK_IDS, i, (L, k), (s0, 0), top_ids.to(torch.int32).cpu().contiguous())
         if cands is not None:
             lp = vp_gather(z, cands[s0:s1], shard) - lse[:, None]                   # [c, n_cand]
-            yield Piece(OutputKind.CANDIDATE_LOGPROBS, i, tuple(cands.shape), (s0, 0), lp.cpu().contiguous())
+            if replicated:
+                yield Piece(OutputKind.CANDIDATE_LOGPROBS, i, tuple(cands.shape), (s0, 0), lp.cpu().contiguous())
         if job.full_logits is not None:
             piece = self._slice(job, i, z, s0, s1, L, V)
             if piece is not None:
@@ -137,7 +173,7 @@ class Engine:
         """The part of the requested rectangle inside these rows and this rank's columns."""
         r0, r1, v0, v1 = job.full_logits.bounds(L, V)
         a, b = max(r0, s0), min(r1, s1)
-        c0, c1 = max(v0, self.shard.start), min(v1, self.shard.start + self.shard.size)
+        c0, c1 = max(v0, self.shard.start), min(v1, self.shard.start + self._pad_from)
         if a >= b or c0 >= c1:
             return None
         rect = z[a - s0 : b - s0, c0 - self.shard.start : c1 - self.shard.start]

@@ -1,0 +1,104 @@
+"""Serving across ranks: rank 0 broadcasts each job, every rank runs its share, rank 0 gathers the pieces.
+
+Jobs and pieces travel on the gloo control group (CPU tensors, pickled); the
+model's own collectives run on the TP/CP groups. Every collective has the
+groups' timeout; idle rank 0 sends a heartbeat so waiting ranks never time
+out while healthy and a dead rank is noticed within a heartbeat.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Callable, Iterator, Optional
+
+import torch.distributed as dist
+
+from .engine import Engine, Piece
+from .errors import Unavailable
+from .parallel import ParallelContext
+from .spec import Job
+
+log = logging.getLogger("logitserve.distributed")
+
+_JOB, _NOOP, _STOP = "job", "noop", "stop"
+_END = object()
+
+
+class RankLost(Unavailable):
+    """A collective failed or timed out: some rank is gone, so is the service."""
+
+
+class DistributedRunner:
+    """Rank 0's side. `run` is the Worker's run function; `heartbeat` its idle tick."""
+
+    def __init__(self, engine: Engine, ctx: ParallelContext, on_fatal: Callable[[str], None] = lambda reason: None):
+        assert ctx.is_root
+        self._engine = engine
+        self._ctx = ctx
+        self._on_fatal = on_fatal
+        self._failed: Optional[str] = None
+        self._lock = threading.Lock()
+
+    @property
+    def failed(self) -> Optional[str]:
+        return self._failed
+
+    def _collective(self, fn, *args, **kwargs):
+        if self._failed:
+            raise RankLost(f"the server lost a rank and is shutting down: {self._failed}")
+        try:
+            return fn(*args, **kwargs)
+        except Exception as e:   # gloo/NCCL: connection reset, timeout, ...
+            self._failed = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
+            log.error("a collective or a rank's step failed; the ranks are out of step: %s", self._failed)
+            self._on_fatal(self._failed)
+            raise RankLost(f"a rank was lost while serving: {self._failed}") from e
+
+    def _broadcast(self, msg) -> None:
+        self._collective(dist.broadcast_object_list, [msg], src=0, group=self._ctx.control_group)
+
+    def _gather(self, pieces: list[Piece]) -> list[Piece]:
+        out = [None] * self._ctx.config.world_size
+        self._collective(dist.gather_object, pieces, out, dst=0, group=self._ctx.control_group)
+        return [p for rank_pieces in out for p in rank_pieces]
+
+    def run(self, job: Job) -> Iterator[Piece]:
+        with self._lock:
+            self._broadcast((_JOB, job))
+            steps = self._engine.steps(job)
+            # A step runs the model's TP/CP collectives too: any failure in it leaves the ranks out of step.
+            try:
+                while (pieces := self._collective(next, steps, _END)) is not _END:
+                    yield from self._gather(pieces)
+            except GeneratorExit:
+                # The consumer left (cancelled); the other ranks are mid-job, so finish it in lockstep.
+                while (pieces := self._collective(next, steps, _END)) is not _END:
+                    self._gather(pieces)
+                raise
+
+    def heartbeat(self) -> None:
+        with self._lock:
+            self._broadcast((_NOOP, None))
+
+    def stop(self) -> None:
+        """Release the other ranks (they return from follow()); quiet if they are gone already."""
+        if self._failed:
+            return
+        with self._lock:
+            try:
+                self._broadcast((_STOP, None))
+            except RankLost:
+                pass
+
+
+def follow(engine: Engine, ctx: ParallelContext) -> None:
+    """Ranks other than 0: run every broadcast job until told to stop; a failed collective raises."""
+    while True:
+        box = [None]
+        dist.broadcast_object_list(box, src=0, group=ctx.control_group)
+        kind, job = box[0]
+        if kind == _STOP:
+            return
+        if kind == _JOB:
+            for pieces in engine.steps(job):
+                dist.gather_object(pieces, None, dst=0, group=ctx.control_group)

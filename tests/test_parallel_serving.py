@@ -1,0 +1,116 @@
+"""tp x cp servers through the real CLI, server and client, against one-process transformers in float64."""
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import grpc
+import numpy as np
+import psutil
+import pytest
+import torch
+
+from conftest import CliServer
+from helpers import Reference, build_model, random_seqs, ref_token_logprobs
+from logitserve.client import LogitServeError, TeacherClient
+from test_outputs import _close, _separated
+
+V = 32003                          # odd: the vocab shards are padded under tp = 2
+LENGTHS = [1, 2, 7, 45, 130]       # none a multiple of 2 * cp beyond the trivial; crossing 16-row chunks
+LAYOUTS = [(1, 1), (2, 1), (1, 2), (2, 2)]
+DEVICE = os.environ.get("LOGITSERVE_TEST_DEVICE", "cpu")   # bench/gpu_check.sh sets cuda
+
+
+@pytest.fixture(scope="module")
+def tp_model(tmp_path_factory):
+    directory = build_model(tmp_path_factory.mktemp("tp") / "llama", "llama", vocab=V, hidden=64, max_pos=1024)
+    return directory, Reference(directory)
+
+
+@pytest.fixture(scope="module", params=LAYOUTS, ids=[f"tp{t}-cp{c}" for t, c in LAYOUTS])
+def sharded(request, tp_model):
+    tp, cp = request.param
+    directory, ref = tp_model
+    server = CliServer("--model", str(directory), "--tp", str(tp), "--cp", str(cp), "--logprob-chunk-size", "16",
+                       "--device", DEVICE)
+    yield tp, cp, server, ref
+    assert server.stop() == 0, "".join(server.log[-20:])
+
+
+def test_every_output_equals_one_process_reference(sharded):
+    tp, cp, server, ref = sharded
+    rng = np.random.default_rng(21)
+    seqs = random_seqs(rng, LENGTHS, vocab=V)
+    cands = [rng.integers(0, V, (len(s), 6)) for s in seqs]
+    with TeacherClient(server.address) as c:
+        info = c.model_info()
+        r = c.forward(seqs, temperature=0.9, logprobs=True, topk=10, candidates=cands, full_logits=True,
+                      vocab_range=(15990, 16020))
+        whole = c.full_logits(seqs[3:4], temperature=0.9)[0]
+    assert (info.tp_size, info.cp_size, info.world_size, len(info.ranks)) == (tp, cp, tp * cp, tp * cp)
+    assert sorted((x["tp_rank"], x["cp_rank"]) for x in info.ranks) == sorted(
+        (t, c) for t in range(tp) for c in range(cp))
+    assert info.vocab_size == V
+    for j, seq in enumerate(seqs):
+        z = ref.logits(seq, 0.9)                                        # [L, V] float64
+        _close(r.logprobs[j], ref_token_logprobs(z, seq))
+        sorted_v, sorted_i = torch.sort(z, -1, descending=True)
+        _close(r.topk_values[j], sorted_v[:, :10].numpy())
+        sep = _separated(sorted_v.numpy(), 10)
+        assert np.array_equal(r.topk_ids[j][sep], sorted_i[:, :10].numpy()[sep])
+        _close(r.candidate_logprobs[j], torch.log_softmax(z, -1).gather(-1, torch.as_tensor(cands[j])).numpy())
+        _close(r.full_logits[j], z[:, 15990:16020].numpy())
+    _close(whole, ref.logits(seqs[3], 0.9).numpy())
+
+
+def test_filters_and_topk_logprobs_equal_reference(sharded):
+    tp, cp, server, ref = sharded
+    seqs = random_seqs(np.random.default_rng(22), LENGTHS, vocab=V)
+    with TeacherClient(server.address) as c:
+        filtered = c.logprobs(seqs, temperature=0.8, top_k=200, top_p=0.5)
+        vals, ids = c.topk(seqs, 5, as_logprobs=True)
+    for j, seq in enumerate(seqs):
+        _close(filtered[j], ref_token_logprobs(ref.logits(seq, 0.8), seq, top_k=200, top_p=0.5))
+        lp = torch.log_softmax(ref.logits(seq), -1)
+        _close(vals[j], torch.sort(lp, -1, descending=True).values[:, :5].numpy())
+
+
+@pytest.mark.parametrize("tp,cp", [(2, 1), (2, 2)])
+def test_reward_scores_under_tp_and_cp(reward_dirs, tp, cp):
+    directory = reward_dirs["llama"]
+    ref = Reference(directory)
+    seqs = [s + 1 for s in random_seqs(np.random.default_rng(23), [1, 5, 33], vocab=1000)]
+    server = CliServer("--model", str(directory), "--tp", str(tp), "--cp", str(cp), "--device", DEVICE)
+    try:
+        with TeacherClient(server.address) as c:
+            got = c.scores(seqs)
+    finally:
+        assert server.stop() == 0
+    for seq, score in zip(seqs, got):
+        with torch.no_grad():
+            want = ref.model(torch.as_tensor(seq)[None]).logits[0].numpy()
+        np.testing.assert_allclose(score, want, atol=1e-5, rtol=0)
+
+
+def test_lost_rank_fails_requests_with_unavailable_and_exits_nonzero(tp_model):
+    directory, _ = tp_model
+    server = CliServer("--model", str(directory), "--tp", "2", "--logprob-chunk-size", "16")
+    ranks = psutil.Process(server.proc.pid).children()
+    assert len(ranks) == 2
+    follower = next(p for p in ranks if "RANK" in p.environ() and p.environ()["RANK"] == "1")
+    seqs = random_seqs(np.random.default_rng(24), [900] * 24, vocab=V)
+    with TeacherClient(server.address) as c:
+        assert c.logprobs([[1, 2, 3]])[0].shape == (3,)
+        future = c.submit(seqs, __import__("logitserve.client", fromlist=["Wanted"]).Wanted(topk=2000))
+        time.sleep(1.0)
+        t0 = time.monotonic()
+        follower.send_signal(signal.SIGKILL)
+        with pytest.raises(LogitServeError) as e:
+            future.result(timeout=30)
+        assert e.value.code == grpc.StatusCode.UNAVAILABLE, e.value
+        with pytest.raises(LogitServeError) as after:
+            c.logprobs([[1, 2, 3]])
+        assert after.value.code == grpc.StatusCode.UNAVAILABLE
+    code = server.proc.wait(timeout=30)
+    assert code != 0 and time.monotonic() - t0 < 30
