@@ -18,8 +18,10 @@ from test_outputs import _close, _separated
 
 V = 32003                          # odd: the vocab shards are padded under tp = 2
 LENGTHS = [1, 2, 7, 45, 130]       # none a multiple of 2 * cp beyond the trivial; crossing 16-row chunks
-LAYOUTS = [(1, 1), (2, 1), (1, 2), (2, 2)]
-DEVICE = os.environ.get("LOGITSERVE_TEST_DEVICE", "cpu")   # bench/gpu_check.sh sets cuda
+# bench/gpu_check.sh sets these to run the same checks with CUDA + NCCL on the layouts its GPUs fit.
+LAYOUTS = [tuple(int(x) for x in spec.split("x"))
+           for spec in os.environ.get("LOGITSERVE_TEST_LAYOUTS", "1x1,2x1,1x2,2x2").split(",")]
+DEVICE = os.environ.get("LOGITSERVE_TEST_DEVICE", "cpu")
 
 
 @pytest.fixture(scope="module")
