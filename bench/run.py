@@ -21,9 +21,9 @@ from pathlib import Path
 import numpy as np
 
 
-def start_server(args) -> tuple[subprocess.Popen, str]:
-    cmd = [sys.executable, "-m", "logitserve.server.cli", "serve", "--host", "127.0.0.1", "--port", "0",
-           "--logprob-chunk-size", str(args.chunk)]
+def start_server(*extra: str) -> tuple[subprocess.Popen, str]:
+    """`logitserve serve` on a free loopback port, as a user starts it; returns (process, address)."""
+    cmd = [sys.executable, "-m", "logitserve.server.cli", "serve", "--host", "127.0.0.1", "--port", "0", *extra]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     for line in proc.stdout:
         m = re.search(r"logitserve: serving \S+ on [\d.]+:(\d+)", line)
@@ -66,7 +66,7 @@ def main() -> int:
     seqs = [rng.integers(0, 32000, args.len).astype(np.int32) for _ in range(args.seqs)]
     tokens = args.seqs * args.len
     engine = Engine(load_model(demo_dir("causal")), EngineConfig(chunk_size=args.chunk))
-    proc, address = start_server(args)
+    proc, address = start_server("--logprob-chunk-size", str(args.chunk))
 
     cases = {
         "logprobs": (lambda c: c.logprobs(seqs), Job(sequences=tuple(seqs), logprobs=LogprobsOpts())),
