@@ -42,10 +42,17 @@ def vp_max(z: torch.Tensor, shard: VocabShard) -> torch.Tensor:
 
 
 def vp_logsumexp(z: torch.Tensor, shard: VocabShard) -> torch.Tensor:
-    """log(sum(exp(z))) over the full vocabulary. z: [N, V/tp] -> [N]."""
-    m = vp_max(z, shard)                                             # [N]
+    """log(sum(exp(z))) over the full vocabulary. z: [N, V/tp] -> [N].
+
+    Each rank reduces its shard with torch's fused logsumexp; the shards' results
+    are then combined stably: M = max_r lse_r, lse = M + log(sum_r exp(lse_r - M)).
+    """
+    local = torch.logsumexp(z, dim=-1)                               # [N]
+    if not shard.distributed:
+        return local
+    m = vp_max(local[:, None], shard)                                # [N]
     m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))       # rows of all -inf stay -inf below
-    s = (z - m[:, None]).exp_().sum(dim=-1)                          # [N]; one [N, V/tp] temporary
+    s = torch.exp(local - m)                                         # [N]
     _all_reduce(s, dist.ReduceOp.SUM, shard)
     return m + torch.log(s)
 
