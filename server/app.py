@@ -18,8 +18,8 @@ from logitserve.parallel import ParallelConfig
 from logitserve.v1 import logitserve_pb2_grpc as pb_grpc
 
 from . import codec
+from .scheduler import Scheduler, SchedulerConfig, local_batch_runner
 from .servicer import LogitServeServicer
-from .worker import Worker
 
 log = logging.getLogger("logitserve.server")
 SERVICE_NAME = "logitserve.v1.LogitServe"
@@ -46,6 +46,7 @@ class ServerConfig:
     max_request_bytes: int = 64 << 20   # largest request message accepted
     grace_s: float = 5.0                # drain time on shutdown
     engine: EngineConfig = field(default_factory=EngineConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
     def __post_init__(self):
         if self.max_message_bytes < 64 << 10:
@@ -70,29 +71,38 @@ def load(model: ModelConfig) -> LoadedModel:
 class Running:
     server: grpc.aio.Server
     port: int
-    worker: Worker
+    scheduler: Scheduler
     health: health.HealthServicer
 
     async def stop(self, grace: Optional[float]) -> None:
         self.health.enter_graceful_shutdown()
         await self.server.stop(grace)
-        self.worker.shutdown()
+        self.scheduler.shutdown()
+
+
+def memory_estimator(loaded: LoadedModel, config: ServerConfig, vocab_local: int, tp: int = 1, cp: int = 1):
+    from logitserve.memory import ModelDims, estimate_peak_bytes
+
+    dims = ModelDims.of(loaded.model.config, vocab_local, loaded.head.weight.element_size(), tp, cp)
+    window = 8 * config.max_message_bytes   # the servicer's per-stream window of encoded messages
+    return lambda job: estimate_peak_bytes(job, dims, config.engine.chunk_size, config.scheduler.max_pending, window)
 
 
 async def create_server(loaded: LoadedModel, config: ServerConfig, layout: Optional[Layout] = None,
-                        run=None, idle=None) -> Running:
-    """Build and start a server for a loaded model; `run` and `idle` replace the local engine (distributed)."""
+                        run_batch=None, idle=None, estimate=None) -> Running:
+    """Build and start a server for a loaded model; `run_batch` and `idle` replace the local engine (distributed)."""
     layout = layout or single_process(str(loaded.head.weight.device))
-    if run is None:
-        run = Engine(loaded, config.engine).run
-    worker = Worker(run, idle=idle)
+    if run_batch is None:
+        run_batch = local_batch_runner(Engine(loaded, config.engine).run)
+    estimate = estimate or memory_estimator(loaded, config, loaded.vocab_size)
+    scheduler = Scheduler(run_batch, config.scheduler, estimate=estimate, idle=idle)
     info = codec.encode_model_info(loaded, layout, config.max_message_bytes, logitserve.__version__)
     server = grpc.aio.server(options=[
         ("grpc.max_receive_message_length", config.max_request_bytes),
         ("grpc.max_send_message_length", config.max_message_bytes),
     ])
     pb_grpc.add_LogitServeServicer_to_server(
-        LogitServeServicer(worker, info, loaded.limits, config.max_message_bytes), server)
+        LogitServeServicer(scheduler, info, loaded.limits, config.max_message_bytes), server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     port = server.add_insecure_port(f"{config.host}:{config.port}")
@@ -101,7 +111,7 @@ async def create_server(loaded: LoadedModel, config: ServerConfig, layout: Optio
     await server.start()
     for name in ("", SERVICE_NAME):
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    return Running(server, port, worker, health_servicer)
+    return Running(server, port, scheduler, health_servicer)
 
 
 async def _until_stopped(running: Running, config: ServerConfig, fatal: asyncio.Event) -> None:
@@ -165,7 +175,9 @@ async def _serve_root(loaded, engine, ctx, layout: Layout, config: ServerConfig)
     loop = asyncio.get_running_loop()
     fatal = asyncio.Event()
     runner = DistributedRunner(engine, ctx, on_fatal=lambda reason: loop.call_soon_threadsafe(fatal.set))
-    running = await create_server(loaded, config, layout, run=runner.run, idle=runner.heartbeat)
+    estimate = memory_estimator(loaded, config, engine.shard.size, ctx.tp, ctx.cp)
+    running = await create_server(loaded, config, layout, run_batch=runner.run_batch, idle=runner.heartbeat,
+                                  estimate=estimate)
     _announce(loaded, config, running.port, layout)
 
     async def not_serving():

@@ -23,6 +23,24 @@ def _serve_parser(sub) -> None:
     p.add_argument("--cp", type=int, default=1, help="context-parallel ranks (long sequences)")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     p.add_argument("--collective-timeout", type=float, default=60.0, help="seconds before a collective fails")
+    p.add_argument("--max-batch-tokens", type=int, default=16384, help="tokens per batch across all streams")
+    p.add_argument("--batch-delay-ms", type=float, default=2.0, help="wait after the first request for others")
+    p.add_argument("--max-queued-tokens", type=int, default=1 << 20,
+                   help="tokens waiting or running; past it RESOURCE_EXHAUSTED")
+    p.add_argument("--memory-budget", type=_size, default=None,
+                   help="refuse requests whose estimated peak is over this, e.g. 2GiB (default: no limit)")
+    p.add_argument("--stall-timeout", type=float, default=60.0, help="drop a request whose stream reads nothing this long")
+    p.add_argument("--no-overlap", action="store_true", help="send each piece before computing the next (for measuring)")
+
+
+def _size(text: str) -> int:
+    """'2GiB', '512MiB', '1e9' -> bytes."""
+    units = {"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "kb": 10**3, "mb": 10**6, "gb": 10**9, "b": 1}
+    t = text.strip().lower()
+    for unit, scale in units.items():
+        if t.endswith(unit):
+            return int(float(t[: -len(unit)]) * scale)
+    return int(float(t))
 
 
 def _client_parsers(sub) -> None:
@@ -46,6 +64,7 @@ def _cmd_serve(args, argv: list[str]) -> int:
     from logitserve.parallel import ParallelConfig
 
     from .app import ModelConfig, ServerConfig, serve, serve_rank
+    from .scheduler import SchedulerConfig
     from .launch import spawn_local, under_torchrun
 
     parallel = ParallelConfig(tp=args.tp, cp=args.cp, collective_timeout_s=args.collective_timeout,
@@ -57,8 +76,11 @@ def _cmd_serve(args, argv: list[str]) -> int:
     if threads:
         torch.set_num_threads(threads)
     model = ModelConfig(path=args.model, demo=args.demo, dtype=args.dtype, max_seq_len=args.max_seq_len)
+    scheduler = SchedulerConfig(max_batch_tokens=args.max_batch_tokens, batch_delay_s=args.batch_delay_ms / 1e3,
+                                max_queued_tokens=args.max_queued_tokens, memory_budget_bytes=args.memory_budget,
+                                stall_timeout_s=args.stall_timeout, overlap=not args.no_overlap)
     config = ServerConfig(host=args.host, port=args.port, max_message_bytes=args.max_message_bytes,
-                          engine=EngineConfig(chunk_size=args.logprob_chunk_size))
+                          engine=EngineConfig(chunk_size=args.logprob_chunk_size), scheduler=scheduler)
     if under_torchrun():
         return serve_rank(model, config, parallel)
     import dataclasses

@@ -11,8 +11,8 @@ from logitserve.v1 import logitserve_pb2 as pb
 from logitserve.v1 import logitserve_pb2_grpc as pb_grpc
 
 from . import codec
+from .scheduler import Scheduler
 from .status import to_status
-from .worker import Worker
 
 _FINISHED = object()
 # Response messages a stream may have queued ahead of the network: bounds memory per slow client.
@@ -20,8 +20,8 @@ _STREAM_WINDOW = 8
 
 
 class LogitServeServicer(pb_grpc.LogitServeServicer):
-    def __init__(self, worker: Worker, info: pb.ModelInfoResponse, limits, max_message_bytes: int):
-        self._worker = worker
+    def __init__(self, scheduler: Scheduler, info: pb.ModelInfoResponse, limits, max_message_bytes: int):
+        self._scheduler = scheduler
         self._info = info
         self._identity = codec.identity_of(info)
         self._limits = limits
@@ -33,7 +33,8 @@ class LogitServeServicer(pb_grpc.LogitServeServicer):
     async def Forward(self, request_iterator, context):
         out: asyncio.Queue = asyncio.Queue()
         window = asyncio.Semaphore(_STREAM_WINDOW)
-        in_flight: set[str] = set()
+        in_flight: dict[str, asyncio.Task] = {}
+        cancel_requested: set[str] = set()
         tasks: set[asyncio.Task] = set()
 
         async def emit(msg) -> None:
@@ -43,12 +44,17 @@ class LogitServeServicer(pb_grpc.LogitServeServicer):
         async def read() -> None:
             async for req in request_iterator:
                 rid = req.request_id
+                if req.cancel:
+                    if rid in in_flight:
+                        cancel_requested.add(rid)
+                        in_flight[rid].cancel()
+                    continue
                 if rid in in_flight:
                     code, message = to_status(InvalidRequest("request_id", f"{rid!r} is already in flight on this stream"))
                     await emit(codec.encode_error(rid, code, message))
                     continue
-                in_flight.add(rid)
-                task = asyncio.create_task(self._serve_one(req, emit, in_flight))
+                task = asyncio.create_task(self._serve_one(req, emit, in_flight, cancel_requested))
+                in_flight[rid] = task
                 tasks.add(task)
                 task.add_done_callback(lambda t: (tasks.discard(t), out.put_nowait(_FINISHED)))
 
@@ -69,21 +75,32 @@ class LogitServeServicer(pb_grpc.LogitServeServicer):
             for t in list(tasks):
                 t.cancel()
 
-    async def _serve_one(self, req: pb.ForwardRequest, emit, in_flight: set[str]) -> None:
+    async def _serve_one(self, req: pb.ForwardRequest, emit, in_flight: dict, cancel_requested: set) -> None:
         rid = req.request_id
         try:
             job = codec.decode_job(req)
             validate_job(job, self._limits)
-            n = 0
-            async for piece in self._worker.stream(job):
-                for msg in codec.encode_piece(rid, piece, self._max_message_bytes):
-                    await emit(msg)
-                    n += 1
+            timeout = req.timeout_s if req.HasField("timeout_s") else None
+            if timeout is not None and not timeout > 0:
+                raise InvalidRequest("timeout_s", f"{timeout} must be > 0")
+            async with asyncio.timeout(timeout):
+                n = 0
+                async for piece in self._scheduler.stream(job):
+                    for msg in codec.encode_piece(rid, piece, self._max_message_bytes):
+                        await emit(msg)
+                        n += 1
             await emit(codec.encode_done(rid, job, self._identity, n))
         except asyncio.CancelledError:
+            if rid in cancel_requested:   # a cancel message, not the stream closing: say so, then end quietly
+                cancel_requested.discard(rid)
+                await emit(codec.encode_error(rid, grpc.StatusCode.CANCELLED, f"request {rid!r} cancelled by the client"))
+                return
             raise
+        except TimeoutError:
+            await emit(codec.encode_error(rid, grpc.StatusCode.DEADLINE_EXCEEDED,
+                                          f"timeout_s: request {rid!r} did not finish within {req.timeout_s:g} s"))
         except Exception as e:
             code, message = to_status(e)
             await emit(codec.encode_error(rid, code, message))
         finally:
-            in_flight.discard(rid)
+            in_flight.pop(rid, None)

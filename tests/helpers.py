@@ -87,14 +87,14 @@ def random_seqs(rng: np.random.Generator, lengths, vocab: int = VOCAB) -> list[n
 class ServerThread:
     """A real logitserve gRPC server on 127.0.0.1, run by its own event loop on a thread."""
 
-    def __init__(self, loaded, config=None, run=None):
+    def __init__(self, loaded, config=None, run_batch=None):
         from logitserve.server.app import ServerConfig, create_server
 
         config = config or ServerConfig(port=0)
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
-        self.running = asyncio.run_coroutine_threadsafe(create_server(loaded, config, run=run), self.loop).result()
+        self.running = asyncio.run_coroutine_threadsafe(create_server(loaded, config, run_batch=run_batch), self.loop).result()
         self.address = f"127.0.0.1:{self.running.port}"
 
     def stop(self) -> None:

@@ -2,8 +2,8 @@
 
 Jobs and pieces travel on the gloo control group (CPU tensors, pickled); the
 model's own collectives run on the TP/CP groups. Every collective has the
-groups' timeout; idle rank 0 sends a heartbeat so waiting ranks never time
-out while healthy and a dead rank is noticed within a heartbeat.
+groups' timeout; idle rank 0 sends a heartbeat (the scheduler's idle tick) so
+waiting ranks never time out while healthy and a dead rank is noticed within one.
 """
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ class RankLost(Unavailable):
 
 
 class DistributedRunner:
-    """Rank 0's side. `run` is the Worker's run function; `heartbeat` its idle tick."""
+    """Rank 0's side: `run_batch` is the Scheduler's batch runner, `heartbeat` its idle tick."""
 
     def __init__(self, engine: Engine, ctx: ParallelContext, on_fatal: Callable[[str], None] = lambda reason: None):
         assert ctx.is_root
@@ -62,18 +62,25 @@ class DistributedRunner:
         self._collective(dist.gather_object, pieces, out, dst=0, group=self._ctx.control_group)
         return [p for rank_pieces in out for p in rank_pieces]
 
-    def run(self, job: Job) -> Iterator[Piece]:
+    def run_batch(self, jobs: list[Job], skip: Callable[[int], bool] = lambda i: False) -> Iterator[tuple[int, Piece]]:
+        """One broadcast for the batch; (job index, piece) as the ranks' steps are gathered.
+
+        `skip` is not honoured mid-batch: the other ranks are computing the same steps, so
+        a cancelled job's steps still run (their pieces are dropped by the scheduler).
+        """
         with self._lock:
-            self._broadcast((_JOB, job))
-            steps = self._engine.steps(job)
+            self._broadcast((_JOB, jobs))
+            steps = ((i, pieces) for i, job in enumerate(jobs) for pieces in self._engine.steps(job))
             # A step runs the model's TP/CP collectives too: any failure in it leaves the ranks out of step.
             try:
-                while (pieces := self._collective(next, steps, _END)) is not _END:
-                    yield from self._gather(pieces)
+                while (step := self._collective(next, steps, _END)) is not _END:
+                    i, pieces = step
+                    for piece in self._gather(pieces):
+                        yield i, piece
             except GeneratorExit:
-                # The consumer left (cancelled); the other ranks are mid-job, so finish it in lockstep.
-                while (pieces := self._collective(next, steps, _END)) is not _END:
-                    self._gather(pieces)
+                # The consumer left; the other ranks are mid-batch, so finish it in lockstep.
+                while (step := self._collective(next, steps, _END)) is not _END:
+                    self._gather(step[1])
                 raise
 
     def heartbeat(self) -> None:
@@ -100,5 +107,6 @@ def follow(engine: Engine, ctx: ParallelContext) -> None:
         if kind == _STOP:
             return
         if kind == _JOB:
-            for pieces in engine.steps(job):
-                dist.gather_object(pieces, None, dst=0, group=ctx.control_group)
+            for one in job:
+                for pieces in engine.steps(one):
+                    dist.gather_object(pieces, None, dst=0, group=ctx.control_group)

@@ -29,7 +29,6 @@ class ParallelConfig:
     tp: int = 1
     cp: int = 1
     collective_timeout_s: float = 60.0   # every collective fails loudly after this
-    heartbeat_s: float = 2.0             # idle rank 0 pings the others this often
     device: str = "auto"                 # auto | cpu | cuda
 
     def __post_init__(self):

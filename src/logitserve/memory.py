@@ -1,0 +1,62 @@
+"""Estimates a job's peak extra memory before it runs, so the server refuses what can never fit instead of OOMing.
+
+Sequences run one at a time at their exact length and the head runs `chunk`
+rows at a time, so a job's peak is that of its longest sequence: the body's
+activations plus one chunk's logits and their temporaries plus the outputs
+waiting to be sent. The constants are calibrated against measured peak RSS
+(tests/test_memory.py checks the estimate stays above what is measured).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from .spec import Job
+
+# Live [rows, hidden]-sized activations per token in a decoder layer, in units of hidden / intermediate width.
+_BODY_HIDDEN_COPIES = 8
+_BODY_MLP_COPIES = 3
+# fp32 [chunk, V/tp] buffers alive at once: logits, logsumexp's temporary, a filter's masked copy.
+_HEAD_COPIES = 3
+_FP32, _I64 = 4, 8
+
+
+@dataclass(frozen=True)
+class ModelDims:
+    hidden: int
+    intermediate: int
+    heads: int            # attention heads on this rank
+    vocab_local: int      # logits columns on this rank
+    dtype_bytes: int
+    tp: int = 1
+    cp: int = 1
+
+    @classmethod
+    def of(cls, config, vocab_local: int, dtype_bytes: int, tp: int = 1, cp: int = 1) -> "ModelDims":
+        hidden = int(getattr(config, "hidden_size", 0) or getattr(config, "n_embd", 0))
+        inter = int(getattr(config, "intermediate_size", 0) or getattr(config, "n_inner", 0) or 4 * hidden)
+        heads = int(getattr(config, "num_attention_heads", 0) or getattr(config, "n_head", 1))
+        return cls(hidden, inter // tp, max(1, heads // tp), vocab_local, dtype_bytes, tp, cp)
+
+
+def estimate_peak_bytes(job: Job, dims: ModelDims, chunk: int, pending_pieces: int, window_bytes: int) -> int:
+    """Upper estimate of the extra bytes the job holds at its peak on one rank."""
+    longest = max(len(s) for s in job.sequences)
+    local = math.ceil(longest / (2 * dims.cp)) * 2 if dims.cp > 1 else longest   # rows on this rank
+    body = local * (_BODY_HIDDEN_COPIES * dims.hidden + _BODY_MLP_COPIES * dims.intermediate) * max(dims.dtype_bytes, _FP32)
+    if dims.cp > 1:   # CP attention masks by position: scores [heads, local, longest] fp32
+        body += dims.heads * local * math.ceil(longest / (2 * dims.cp)) * 2 * dims.cp * _FP32
+    rows = min(chunk, local)
+    head = rows * dims.vocab_local * _FP32 * _HEAD_COPIES if job.wants_token_outputs else 0
+    out_row = 0
+    if job.topk is not None:
+        head += rows * job.topk.k * (_FP32 + _I64) * 2 * dims.tp      # local and merged top-k
+        out_row += job.topk.k * (_FP32 + 4)
+    if job.logprobs is not None and job.logprobs.top_p is not None:
+        head += rows * dims.vocab_local * (_FP32 + _I64)                # growing top-K for top-p
+    if job.candidates is not None:
+        out_row += max(c.shape[1] for c in job.candidates) * (_FP32 + _I64)
+    if job.full_logits is not None:
+        out_row += dims.vocab_local * dims.tp * _FP32
+    outputs = rows * out_row * (pending_pieces + 1) + window_bytes
+    return int(body + head + outputs)
