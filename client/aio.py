@@ -76,6 +76,15 @@ class AsyncTeacherClient(OutputsMixin):
             raise LogitServeError(grpc.StatusCode.UNAVAILABLE, "stream closed") from None
         try:
             return await fut
+        except asyncio.CancelledError:
+            # Tell the server, so the request's queued work is dropped and its memory freed.
+            if not call.done():
+                try:
+                    async with self._write_lock:
+                        await call.write(pb.ForwardRequest(request_id=rid, cancel=True))
+                except (grpc.RpcError, asyncio.InvalidStateError):
+                    pass
+            raise
         finally:
             self._pending.pop(rid, None)
 

@@ -40,12 +40,12 @@ class OutputsMixin:
                 topk_as_logprobs: bool = False, topk_dtype: str = "fp32", candidates: Optional[Sequence] = None,
                 full_logits: bool = False, seq_range: Optional[tuple[int, int]] = None,
                 vocab_range: Optional[tuple[int, int]] = None, logits_dtype: str = "fp32",
-                scores: bool = False, bf16_as_torch: bool = False):
+                scores: bool = False, bf16_as_torch: bool = False, timeout_s: Optional[float] = None):
         """Several outputs of one forward pass, as a ForwardResult."""
         w = Wanted(temperature=temperature, logprobs=logprobs, top_k=top_k, top_p=top_p, topk=topk,
                    topk_as_logprobs=topk_as_logprobs, topk_dtype=topk_dtype, candidates=candidates,
                    full_logits=full_logits, seq_range=seq_range, vocab_range=vocab_range,
-                   logits_dtype=logits_dtype, scores=scores)
+                   logits_dtype=logits_dtype, scores=scores, timeout_s=timeout_s)
         return self._request(seqs, w, lambda r: r, bf16_as_torch)
 
     def logprobs(self, seqs: Sequence, temperature: float = 1.0, top_k: Optional[int] = None,

@@ -52,7 +52,7 @@ class TeacherClient(OutputsMixin):
         return self._run(self._aio.model_info(timeout))
 
     def submit(self, seqs: Sequence, wanted: Wanted, bf16_as_torch: bool = False) -> concurrent.futures.Future:
-        """Send a request without waiting: many can be in flight on the one stream."""
+        """Send a request without waiting: many can be in flight on the one stream; cancel() reaches the server."""
         return asyncio.run_coroutine_threadsafe(self._aio.submit(seqs, wanted, bf16_as_torch), self._loop)
 
     def _request(self, seqs: Sequence, wanted: Wanted, pick, bf16_as_torch: bool = False):

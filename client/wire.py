@@ -29,6 +29,7 @@ class Wanted:
     vocab_range: Optional[tuple[int, int]] = None
     logits_dtype: str = "fp32"
     scores: bool = False
+    timeout_s: Optional[float] = None      # server drops the request after this long (DEADLINE_EXCEEDED)
 
 
 def int32_tensor(values, name: str) -> pb.Tensor:
@@ -71,6 +72,8 @@ def build_request(request_id: str, seqs: Sequence, w: Wanted) -> pb.ForwardReque
             f.vocab_start, f.vocab_end = (int(x) for x in w.vocab_range)
     if w.scores:
         req.scores.SetInParent()
+    if w.timeout_s is not None:
+        req.timeout_s = float(w.timeout_s)
     return req
 
 

@@ -68,6 +68,10 @@ class _Ticket:
         self.credits = threading.Semaphore(max_pending if overlap else 1)
         self.cancelled = threading.Event()
 
+    def cancel(self) -> None:
+        self.cancelled.set()
+        self.credits.release()   # wake a sender blocked on credits now, not at its next poll
+
     def send(self, item, stall_timeout_s: float) -> None:
         deadline = time.monotonic() + stall_timeout_s
         while not self.credits.acquire(timeout=0.1):
@@ -78,6 +82,8 @@ class _Ticket:
                 self.loop.call_soon_threadsafe(self.results.put_nowait, _Failed(OverLimit(
                     f"the stream took no result for stall_timeout_s={stall_timeout_s:g}; request dropped")))
                 raise _Gone()
+        if self.cancelled.is_set():   # woken by cancel(), not by a consumer
+            raise _Gone()
         try:
             self.loop.call_soon_threadsafe(self.results.put_nowait, item)
         except RuntimeError as e:   # the event loop is gone: the server is stopping
@@ -135,7 +141,7 @@ class Scheduler:
                     yield item
                     ticket.credits.release()
         finally:
-            ticket.cancelled.set()
+            ticket.cancel()
 
     def queued_tokens(self) -> int:
         with self._cond:

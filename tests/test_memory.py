@@ -30,11 +30,28 @@ def _vm_hwm_kib(pid: int) -> int:
     return int(line.split()[1])
 
 
+def _vm_rss_kib(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return int(next(x for x in f if x.startswith("VmRSS")).split()[1])
+
+
 def test_logprobs_peak_rss_is_0_7_gib_below_a_plain_forward(demo_cli_server):
+    from logitserve.demo import demo_dir
+    from logitserve.loading import load_model
+    from logitserve.server.app import ServerConfig, memory_estimator
+    from logitserve.engine import EngineConfig
+    from logitserve.spec import Job, LogprobsOpts
+
     seq = np.random.default_rng(0).integers(0, 32000, L)
+    before = _vm_rss_kib(demo_cli_server.proc.pid) * 1024
     with TeacherClient(demo_cli_server.address) as c:
         lp = c.logprobs([seq])[0]
     server_peak = _vm_hwm_kib(demo_cli_server.proc.pid) * 1024
+    estimate = memory_estimator(load_model(demo_dir("causal")), ServerConfig(engine=EngineConfig(512)), 32000)(
+        Job(sequences=(seq.astype(np.int32),), logprobs=LogprobsOpts()))
+    print(f"\nrequest's extra memory: measured <= {(server_peak - before) / 2**20:.0f} MiB, "
+          f"estimated {estimate / 2**20:.0f} MiB")
+    assert estimate >= server_peak - before, "the admission estimate must not undercount"
     out = subprocess.run([sys.executable, "-c", PLAIN, ",".join(map(str, seq))], capture_output=True, text=True,
                          timeout=600, env=os.environ.copy())
     assert out.returncode == 0, out.stderr

@@ -1,0 +1,167 @@
+"""Batching across streams: bitwise batch invariance, backpressure, memory refusal, cancellation, deadlines."""
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+import numpy as np
+import pytest
+
+from conftest import serve_dir
+from helpers import VOCAB, random_seqs
+from logitserve.client import AsyncTeacherClient, LogitServeError, TeacherClient
+from logitserve.server.scheduler import SchedulerConfig
+from logitserve.v1 import logitserve_pb2 as pb
+from logitserve.v1 import logitserve_pb2_grpc as pb_grpc
+
+FIELDS = ("logprobs", "topk_values", "topk_ids", "candidate_logprobs", "full_logits")
+
+
+def _random_request(rng: np.random.Generator) -> dict:
+    seqs = random_seqs(rng, rng.integers(1, 90, rng.integers(1, 4)))
+    kind = rng.integers(0, 5)
+    req = dict(seqs=seqs, temperature=float(rng.choice([1.0, 0.7, 1.3])))
+    if kind == 0:
+        req.update(logprobs=True)
+    elif kind == 1:
+        req.update(logprobs=True, top_k=int(rng.integers(1, 60)), top_p=float(rng.choice([0.5, 0.9, 1.0])))
+    elif kind == 2:
+        req.update(topk=int(rng.integers(1, 40)), topk_as_logprobs=bool(rng.integers(0, 2)))
+    elif kind == 3:
+        req.update(candidates=[rng.integers(0, VOCAB, (len(s), 3)) for s in seqs], logprobs=True)
+    else:
+        req.update(full_logits=True, vocab_range=(10, 400), logits_dtype="bf16")
+    return req
+
+
+def _same(a, b) -> None:
+    for name in FIELDS:
+        x, y = getattr(a, name), getattr(b, name)
+        assert (x is None) == (y is None), name
+        for u, v in zip(x or [], y or []):
+            assert u.dtype == v.dtype and np.array_equal(u, v, equal_nan=True), name
+
+
+@pytest.fixture(scope="module")
+def batching_server(model_dirs):
+    server = serve_dir(model_dirs["llama"], chunk_size=16,
+                       scheduler=SchedulerConfig(max_batch_tokens=2000, batch_delay_s=0.02))
+    yield server
+    server.stop()
+
+
+def test_results_are_bitwise_identical_alone_and_batched(batching_server):
+    rng = np.random.default_rng(31)
+    requests = [_random_request(rng) for _ in range(40)]
+
+    async def concurrently():
+        clients = [AsyncTeacherClient(batching_server.address) for _ in range(8)]
+        try:
+            return await asyncio.gather(*(clients[i % 8].forward(**r) for i, r in enumerate(requests)))
+        finally:
+            for c in clients:
+                await c.close()
+
+    before = batching_server.running.scheduler.batches_run
+    batched = asyncio.run(concurrently())
+    batches = batching_server.running.scheduler.batches_run - before
+    assert batches < len(requests), "requests from several streams should have shared batches"
+    with TeacherClient(batching_server.address) as c:
+        for r, got in zip(requests, batched):
+            _same(got, c.forward(**r))
+
+
+def test_queue_over_its_token_limit_answers_resource_exhausted(model_dirs):
+    server = serve_dir(model_dirs["llama"], scheduler=SchedulerConfig(max_queued_tokens=1000))
+    long = random_seqs(np.random.default_rng(32), [400, 400])
+    try:
+        async def flood():
+            async with AsyncTeacherClient(server.address) as c:
+                return await asyncio.gather(*(c.full_logits(long) for _ in range(6)), return_exceptions=True)
+        results = asyncio.run(flood())
+        with TeacherClient(server.address) as c:
+            assert c.logprobs([[1, 2, 3]])[0].shape == (3,)
+            with pytest.raises(LogitServeError) as too_big:
+                c.logprobs(random_seqs(np.random.default_rng(1), [501, 500]))
+    finally:
+        server.stop()
+    refused = [r for r in results if isinstance(r, LogitServeError)]
+    served = [r for r in results if not isinstance(r, Exception)]
+    assert refused and served and len(refused) + len(served) == 6
+    for e in refused + [too_big.value]:
+        assert e.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "--max-queued-tokens 1000" in e.details
+
+
+def test_request_over_the_memory_budget_is_refused_not_run(model_dirs):
+    server = serve_dir(model_dirs["llama"], chunk_size=64, scheduler=SchedulerConfig(memory_budget_bytes=4 << 20))
+    try:
+        with TeacherClient(server.address) as c:
+            with pytest.raises(LogitServeError) as e:
+                c.topk(random_seqs(np.random.default_rng(33), [500]), VOCAB)
+            ok = c.topk(random_seqs(np.random.default_rng(33), [50]), 5)
+    finally:
+        server.stop()
+    assert e.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "--memory-budget 4 MiB" in e.value.details and "500 tokens" in e.value.details
+    assert ok[0][0].shape == (50, 5)
+
+
+def _long_job(n: int = 30) -> list:
+    return random_seqs(np.random.default_rng(34), [500] * n)
+
+
+def test_cancelled_request_is_dropped_and_the_server_moves_on(model_dirs):
+    server = serve_dir(model_dirs["llama"], chunk_size=16)
+    scheduler = server.running.scheduler
+    try:
+        async def scenario():
+            async with AsyncTeacherClient(server.address) as c:
+                t0 = time.perf_counter()
+                await c.full_logits(_long_job())
+                whole = time.perf_counter() - t0
+                task = asyncio.ensure_future(c.full_logits(_long_job()))
+                queued = asyncio.ensure_future(c.full_logits(_long_job()))
+                await asyncio.sleep(0.05 * whole)
+                task.cancel()
+                queued.cancel()
+                t1 = time.perf_counter()
+                small = await c.logprobs([[1, 2, 3]])
+                after = time.perf_counter() - t1
+                return whole, after, small, task, queued
+        whole, after, small, task, queued = asyncio.run(scenario())
+        deadline = time.monotonic() + 10
+        while scheduler.queued_tokens() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert scheduler.queued_tokens() == 0
+    finally:
+        server.stop()
+    assert task.cancelled() and queued.cancelled() and small[0].shape == (3,)
+    # both long jobs stopped: the small request did not wait for them (ratio within one run)
+    assert after < 0.5 * whole, (after, whole)
+
+
+def test_request_timeout_and_stream_deadline_end_with_deadline_exceeded(model_dirs):
+    server = serve_dir(model_dirs["llama"], chunk_size=16)
+    try:
+        with TeacherClient(server.address) as c:
+            with pytest.raises(LogitServeError) as e:
+                c.forward(_long_job(), full_logits=True, timeout_s=0.05)
+            assert e.value.code == grpc.StatusCode.DEADLINE_EXCEEDED and "timeout_s" in e.value.details
+            with pytest.raises(LogitServeError) as bad:
+                c.forward([[1, 2]], logprobs=True, timeout_s=-1)
+            assert bad.value.code == grpc.StatusCode.INVALID_ARGUMENT
+        req = pb.ForwardRequest(request_id="x", sequences=[pb.Tensor(dtype=pb.INT32, shape=[500], data=s.astype("<i4").tobytes()) for s in _long_job()])
+        req.full_logits.SetInParent()
+        with grpc.insecure_channel(server.address) as channel:
+            with pytest.raises(grpc.RpcError) as rpc:
+                list(pb_grpc.LogitServeStub(channel).Forward(iter([req]), timeout=0.2))
+        assert rpc.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        deadline = time.monotonic() + 10
+        while server.running.scheduler.queued_tokens() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert server.running.scheduler.queued_tokens() == 0
+        with TeacherClient(server.address) as c:
+            assert c.logprobs([[4, 5, 6]])[0].shape == (3,)
+    finally:
+        server.stop()
