@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 # CPU torch first: with no torch present an unpinned install would pull a multi-GB CUDA build.
 TORCH ?= torch==2.13.0
 
-.PHONY: install serve test test-fast bench
+.PHONY: install serve test load-test bench
 $(STAMP): pyproject.toml setup.py proto/logitserve/v1/logitserve.proto
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
@@ -21,6 +21,9 @@ serve: $(STAMP)  ## the server on the embedded demo model, port 50051; add ARGS=
 
 test: $(STAMP)   ## the whole suite
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+load-test: $(STAMP)  ## the full load test: 64 streams for 60 s
+	$(BIN)/python -m pytest -q -s -m slow tests/test_load.py
 
 bench: $(STAMP)  ## the benchmark: writes bench/results/*.json and prints a markdown table
 	$(BIN)/python bench/run.py $(ARGS)

@@ -65,14 +65,13 @@ def _cmd_serve(args, argv: list[str]) -> int:
 
     from .app import ModelConfig, ServerConfig, serve, serve_rank
     from .scheduler import SchedulerConfig
-    from .launch import spawn_local, tune_allocator, under_torchrun
+    from .launch import spawn_local, under_torchrun
 
     parallel = ParallelConfig(tp=args.tp, cp=args.cp, collective_timeout_s=args.collective_timeout,
                               device=args.device)
     if parallel.world_size > 1 and not under_torchrun():
         return spawn_local(argv[1:], parallel.world_size, args.threads)
     hf_logging.disable_progress_bar()
-    tune_allocator()
     threads = args.threads or int(os.environ.get("OMP_NUM_THREADS", "0"))
     if threads:
         torch.set_num_threads(threads)

@@ -1,4 +1,4 @@
-"""Process set-up: the allocator, and the ranks of a tp x cp server on one machine (one dies, all stop, loudly)."""
+"""Starts the ranks of a tp x cp server on one machine and watches them: one dies, all stop, loudly."""
 from __future__ import annotations
 
 import logging
@@ -12,21 +12,6 @@ import time
 log = logging.getLogger("logitserve.launch")
 # After one rank ends, the others get this long to notice and exit on their own before they are killed.
 GRACE_S = 15.0
-
-
-def tune_allocator() -> None:
-    """Serve big buffers from mmap so freed activations go back to the OS (glibc only; else a no-op).
-
-    glibc's adaptive threshold keeps large freed blocks in the heap; measured on the demo
-    model (8192 tokens, chunk 512) a fixed 1 MiB threshold cut a request's extra peak RSS
-    from 269 to 202 MiB at the same speed.
-    """
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6").mallopt(-3, 1 << 20)   # M_MMAP_THRESHOLD
-    except (OSError, AttributeError):
-        pass
 
 
 def under_torchrun() -> bool:

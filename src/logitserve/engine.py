@@ -59,6 +59,7 @@ class Engine:
         self.parallel = parallel or single_rank(str(loaded.head.weight.device))
         self.device = loaded.head.weight.device
         self.emits_replicated = self.parallel.tp_rank == 0
+        self._zbuf: torch.Tensor | None = None   # [chunk, V/tp] fp32, reused: fresh 64 MiB buffers cost page faults
         # Local columns from here on are padding (tp does not divide V): masked to -inf.
         self._pad_from = min(self.shard.size, max(0, self.shard.vocab_size - self.shard.start))
 
@@ -72,8 +73,18 @@ class Engine:
 
     @torch.inference_mode()
     def logits(self, h: torch.Tensor, temperature: float) -> torch.Tensor:
-        """z/T in fp32 for a chunk of rows. h: [c, H] -> [c, V/tp]."""
-        z = F.linear(h, self.loaded.head.weight, self.loaded.head.bias).float()
+        """z/T in fp32 for a chunk of rows, in the engine's reused buffer (valid until the next call). h: [c, H] -> [c, V/tp]."""
+        head = self.loaded.head
+        rows, cols = h.shape[0], head.out_features
+        if self._zbuf is None or self._zbuf.shape[0] < rows:
+            self._zbuf = torch.empty(max(rows, self.config.chunk_size), cols, dtype=torch.float32, device=h.device)
+        z = self._zbuf[:rows]
+        if head.weight.dtype == torch.float32:
+            torch.matmul(h, head.weight.t(), out=z)
+            if head.bias is not None:
+                z.add_(head.bias)
+        else:   # reduced-precision models: the matmul in their dtype, upcast into the buffer
+            z.copy_(F.linear(h, head.weight, head.bias))
         if temperature != 1.0:
             z.div_(temperature)
         if self._pad_from < z.shape[-1]:
@@ -122,47 +133,54 @@ class Engine:
     @torch.inference_mode()
     def _chunk(self, job: Job, i: int, ids: torch.Tensor, h: torch.Tensor, s0: int, s1: int,
                cands: torch.Tensor | None) -> Iterator[Piece]:
-        """Pieces for rows [s0, s1) of sequence i. ids: [L], h: [s1-s0, H]."""
-        L, V, shard = len(ids), self.shard.vocab_size, self.shard
-        z = self.logits(h, job.temperature)                                         # [c, V/tp]
-        unfiltered_lp = job.logprobs is not None and job.logprobs.top_k is None and job.logprobs.top_p is None
-        needs_lse = unfiltered_lp or (job.topk is not None and job.topk.as_logprobs) or cands is not None
-        lse = vp_logsumexp(z, shard) if needs_lse else None                         # [c]
+        """Pieces for rows [s0, s1) of sequence i. ids: [L], h: [s1-s0, H].
 
+        Everything that reads the raw logits runs first; the log-sum-exp runs last and
+        in place, consuming the buffer, so a chunk allocates nothing of size [c, V].
+        """
+        L, V, shard = len(ids), self.shard.vocab_size, self.shard
         replicated = self.emits_replicated
-        if job.logprobs is not None and (s0 == 0 or s0 + 1 < len(ids)):
-            piece = self._token_logprobs(job, i, ids, z, lse, s0, s1)
-            if replicated:
-                yield piece
-        if job.topk is not None:
-            vals, top_ids = vp_topk(z, job.topk.k, shard)                           # [c, k]
-            if job.topk.as_logprobs:
-                vals = vals - lse[:, None]
-            k = job.topk.k
-            if replicated:
-                yield Piece(OutputKind.TOPK_VALUES, i, (L, k), (s0, 0), _wire(vals, job.topk.dtype))
-                yield Piece(OutputKind.TOPK_IDS, i, (L, k), (s0, 0), top_ids.to(torch.int32).cpu().contiguous())
-        if cands is not None:
-            lp = vp_gather(z, cands[s0:s1], shard) - lse[:, None]                   # [c, n_cand]
-            if replicated:
-                yield Piece(OutputKind.CANDIDATE_LOGPROBS, i, tuple(cands.shape), (s0, 0), lp.cpu().contiguous())
+        z = self.logits(h, job.temperature)                                         # [c, V/tp]
+        pieces: list[Piece] = []
         if job.full_logits is not None:
             piece = self._slice(job, i, z, s0, s1, L, V)
             if piece is not None:
-                yield piece
-
-    def _token_logprobs(self, job: Job, i: int, ids: torch.Tensor, z: torch.Tensor,
-                        lse: torch.Tensor | None, s0: int, s1: int) -> Piece:
-        """lp[t+1] = log_softmax(z_t)[x_{t+1}] for rows t in [s0, s1); lp[0] = 0."""
-        L = len(ids)
-        n = min(s1, L - 1) - s0                                                      # rows with a target
-        targets = ids[s0 + 1 : s0 + 1 + n, None]                                     # [n, 1]
+                pieces.append(piece)
         opts = job.logprobs
-        if opts.top_k is None and opts.top_p is None:
-            lp = vp_gather(z[:n], targets, self.shard)[:, 0] - lse[:n]               # [n]
-        else:
-            kept = apply_filters(z[:n], self.shard, opts.top_k, opts.top_p)          # [n, V/tp]
-            lp = vp_gather(kept, targets, self.shard)[:, 0] - vp_logsumexp(kept, self.shard)
+        wants_lp = opts is not None and (s0 == 0 or s0 + 1 < L)
+        filtered = opts is not None and (opts.top_k is not None or opts.top_p is not None)
+        n = min(s1, L - 1) - s0                                                     # rows with a target
+        targets = ids[s0 + 1 : s0 + 1 + n, None]                                    # [n, 1]
+        if wants_lp and filtered:
+            kept = apply_filters(z[:n], shard, opts.top_k, opts.top_p)              # [n, V/tp], a copy
+            lp = vp_gather(kept, targets, shard)[:, 0] - vp_logsumexp(kept, shard, inplace=True)
+        elif wants_lp:
+            target_z = vp_gather(z[:n], targets, shard)[:, 0]                       # [n]
+        top = vp_topk(z, job.topk.k, shard) if job.topk is not None else None       # [c, k] x2
+        cand_z = vp_gather(z, cands[s0:s1], shard) if cands is not None else None   # [c, n_cand]
+        needs_lse = (wants_lp and not filtered) or (top is not None and job.topk.as_logprobs) or cand_z is not None
+        lse = vp_logsumexp(z, shard, inplace=True) if needs_lse else None           # [c]; z is gone now
+
+        if wants_lp:
+            if not filtered:
+                lp = target_z - lse[:n]
+            pieces.append(self._token_logprobs_piece(i, lp, s0, L))
+        if top is not None:
+            vals, top_ids = top
+            if job.topk.as_logprobs:
+                vals = vals - lse[:, None]
+            k = job.topk.k
+            pieces.append(Piece(OutputKind.TOPK_VALUES, i, (L, k), (s0, 0), _wire(vals, job.topk.dtype)))
+            pieces.append(Piece(OutputKind.TOPK_IDS, i, (L, k), (s0, 0), top_ids.to(torch.int32).cpu().contiguous()))
+        if cand_z is not None:
+            lp_c = cand_z - lse[:, None]                                            # [c, n_cand]
+            pieces.append(Piece(OutputKind.CANDIDATE_LOGPROBS, i, tuple(cands.shape), (s0, 0), lp_c.cpu().contiguous()))
+        # Under TP every rank computed the reductions; only the replicated outputs' owner emits them.
+        yield from (p for p in pieces if replicated or p.output is OutputKind.FULL_LOGITS)
+
+    @staticmethod
+    def _token_logprobs_piece(i: int, lp: torch.Tensor, s0: int, L: int) -> Piece:
+        """lp holds lp[t+1] for rows t in [s0, ...); lp[0] = 0 joins the first chunk."""
         start = s0 + 1
         if s0 == 0:
             lp = torch.cat([lp.new_zeros(1), lp])
@@ -182,4 +200,7 @@ class Engine:
 
 
 def _wire(t: torch.Tensor, dtype: WireDType) -> torch.Tensor:
-    return t.to(TORCH_WIRE[dtype]).cpu().contiguous()
+    """A fresh contiguous CPU copy in the wire dtype: never a view of the reused logits buffer."""
+    out = torch.empty(t.shape, dtype=TORCH_WIRE[dtype])
+    out.copy_(t)
+    return out

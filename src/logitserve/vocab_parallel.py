@@ -41,17 +41,25 @@ def vp_max(z: torch.Tensor, shard: VocabShard) -> torch.Tensor:
     return _all_reduce(z.amax(dim=-1), dist.ReduceOp.MAX, shard)
 
 
-def vp_logsumexp(z: torch.Tensor, shard: VocabShard) -> torch.Tensor:
-    """log(sum(exp(z))) over the full vocabulary. z: [N, V/tp] -> [N].
+def _local_logsumexp_(z: torch.Tensor) -> torch.Tensor:
+    """torch.logsumexp's arithmetic, in place: z is overwritten, and no [N, V] temporary is allocated."""
+    m = z.amax(dim=-1)                                               # [N]
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))       # rows of all -inf give -inf below
+    return z.sub_(m[:, None]).exp_().sum(dim=-1).log_().add_(m)
 
-    Each rank reduces its shard with torch's fused logsumexp; the shards' results
-    are then combined stably: M = max_r lse_r, lse = M + log(sum_r exp(lse_r - M)).
+
+def vp_logsumexp(z: torch.Tensor, shard: VocabShard, inplace: bool = False) -> torch.Tensor:
+    """log(sum(exp(z))) over the full vocabulary. z: [N, V/tp] -> [N]; with inplace, z is consumed.
+
+    Each rank reduces its shard (torch's fused logsumexp, or the same arithmetic in
+    place so a big chunk costs no fresh allocation); the shards' results are then
+    combined stably: M = max_r lse_r, lse = M + log(sum_r exp(lse_r - M)).
     """
-    local = torch.logsumexp(z, dim=-1)                               # [N]
+    local = _local_logsumexp_(z) if inplace else torch.logsumexp(z, dim=-1)   # [N]
     if not shard.distributed:
         return local
     m = vp_max(local[:, None], shard)                                # [N]
-    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))       # rows of all -inf stay -inf below
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
     s = torch.exp(local - m)                                         # [N]
     _all_reduce(s, dist.ReduceOp.SUM, shard)
     return m + torch.log(s)
