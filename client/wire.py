@@ -77,11 +77,6 @@ def build_request(request_id: str, seqs: Sequence, w: Wanted) -> pb.ForwardReque
     return req
 
 
-def bf16_bits_to_f32(bits: np.ndarray) -> np.ndarray:
-    """bf16 bit patterns (uint16) as the float32 values they hold exactly."""
-    return (bits.astype(np.uint32) << 16).view(np.float32)
-
-
 # wire dtype -> (numpy dtype of the bytes, numpy dtype of the assembled array)
 DECODE = {
     pb.FLOAT32: (np.dtype("<f4"), np.dtype(np.float32)),
