@@ -29,7 +29,7 @@ def build_model(directory: Path, arch: str, kind: str = "causal", vocab: int = V
         cls = tf.Qwen2ForCausalLM if kind == "causal" else tf.Qwen2ForSequenceClassification
     elif arch == "gpt2":
         cfg = tf.GPT2Config(n_embd=hidden, n_layer=layers, n_head=4, n_positions=max_pos,
-                            initializer_range=0.1, **common)
+                            initializer_range=0.1, bos_token_id=1, eos_token_id=2, **common)
         cls = tf.GPT2LMHeadModel if kind == "causal" else tf.GPT2ForSequenceClassification
     else:
         raise ValueError(arch)
