@@ -1,4 +1,4 @@
-"""The gRPC servicer: decode, validate, hand to the worker, encode. No math here."""
+"""The gRPC servicer: decode, validate, hand to the scheduler, encode. No math here."""
 from __future__ import annotations
 
 import asyncio
