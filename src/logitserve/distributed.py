@@ -24,6 +24,15 @@ _JOB, _NOOP, _STOP = "job", "noop", "stop"
 _END = object()
 
 
+def _others_emit(job: Job, ctx: ParallelContext) -> bool:
+    """Whether ranks other than 0 produce pieces for this job; every rank reaches the same answer.
+
+    Under TP alone, the outputs every TP rank holds alike come from rank 0; only
+    full-logits slices come from each rank's vocab shard. Under CP, rows are spread.
+    """
+    return ctx.cp > 1 or job.full_logits is not None
+
+
 class RankLost(Unavailable):
     """A collective failed or timed out: some rank is gone, so is the service."""
 
@@ -75,12 +84,13 @@ class DistributedRunner:
             try:
                 while (step := self._collective(next, steps, _END)) is not _END:
                     i, pieces = step
-                    for piece in self._gather(pieces):
+                    for piece in self._gather(pieces) if _others_emit(jobs[i], self._ctx) else pieces:
                         yield i, piece
             except GeneratorExit:
                 # The consumer left; the other ranks are mid-batch, so finish it in lockstep.
                 while (step := self._collective(next, steps, _END)) is not _END:
-                    self._gather(step[1])
+                    if _others_emit(jobs[step[0]], self._ctx):
+                        self._gather(step[1])
                 raise
 
     def heartbeat(self) -> None:
@@ -109,4 +119,5 @@ def follow(engine: Engine, ctx: ParallelContext) -> None:
         if kind == _JOB:
             for one in job:
                 for pieces in engine.steps(one):
-                    dist.gather_object(pieces, None, dst=0, group=ctx.control_group)
+                    if _others_emit(one, ctx):
+                        dist.gather_object(pieces, None, dst=0, group=ctx.control_group)
