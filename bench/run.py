@@ -96,7 +96,7 @@ def main() -> int:
     from transformers.utils import logging as hf_logging
 
     from cases import in_process_cases, served_cases
-    from logitserve.client.wire import Wanted, build_request
+    from logitserve.client.wire import build_request
     from logitserve.demo import demo_dir
 
     hf_logging.disable_progress_bar()

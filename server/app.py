@@ -19,7 +19,7 @@ from logitserve.v1 import logitserve_pb2_grpc as pb_grpc
 
 from . import codec
 from .scheduler import Scheduler, SchedulerConfig, local_batch_runner
-from .servicer import LogitServeServicer
+from .servicer import STREAM_WINDOW, LogitServeServicer
 
 log = logging.getLogger("logitserve.server")
 SERVICE_NAME = "logitserve.v1.LogitServe"
@@ -84,7 +84,7 @@ def memory_estimator(loaded: LoadedModel, config: ServerConfig, vocab_local: int
     from logitserve.memory import ModelDims, estimate_peak_bytes
 
     dims = ModelDims.of(loaded.model.config, vocab_local, loaded.head.weight.element_size(), tp, cp)
-    window = 8 * config.max_message_bytes   # the servicer's per-stream window of encoded messages
+    window = STREAM_WINDOW * config.max_message_bytes   # encoded messages a stream may hold
     return lambda job: estimate_peak_bytes(job, dims, config.engine.chunk_size, config.scheduler.max_pending, window)
 
 
@@ -146,7 +146,7 @@ def serve_rank(model: ModelConfig, config: ServerConfig, parallel: ParallelConfi
     """This process's rank of a tp x cp server: rank 0 serves gRPC, the others follow. Non-zero on a lost rank."""
     import torch.distributed as dist
 
-    from logitserve.distributed import DistributedRunner, follow
+    from logitserve.distributed import follow
     from logitserve.parallel import apply_parallelism, gather_layout, init_parallel
 
     ctx = init_parallel(parallel)

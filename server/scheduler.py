@@ -142,6 +142,16 @@ class Scheduler:
                     ticket.credits.release()
         finally:
             ticket.cancel()
+            self._drop_if_queued(ticket)
+
+    def _drop_if_queued(self, ticket: _Ticket) -> None:
+        """A job given up before it ran leaves the queue now, freeing its tokens for others."""
+        with self._cond:
+            try:
+                self._queue.remove(ticket)
+            except ValueError:   # already taken into a batch: the batch accounts for it
+                return
+            self._queued_tokens -= ticket.tokens
 
     def queued_tokens(self) -> int:
         with self._cond:

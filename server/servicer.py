@@ -16,7 +16,7 @@ from .status import to_status
 
 _FINISHED = object()
 # Response messages a stream may have queued ahead of the network: bounds memory per slow client.
-_STREAM_WINDOW = 8
+STREAM_WINDOW = 8
 
 
 class LogitServeServicer(pb_grpc.LogitServeServicer):
@@ -32,7 +32,7 @@ class LogitServeServicer(pb_grpc.LogitServeServicer):
 
     async def Forward(self, request_iterator, context):
         out: asyncio.Queue = asyncio.Queue()
-        window = asyncio.Semaphore(_STREAM_WINDOW)
+        window = asyncio.Semaphore(STREAM_WINDOW)
         in_flight: dict[str, asyncio.Task] = {}
         cancel_requested: set[str] = set()
         tasks: set[asyncio.Task] = set()

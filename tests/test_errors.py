@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from helpers import VOCAB, ref_token_logprobs
-from logitserve.client import LogitServeError, TeacherClient
+from logitserve.client import LogitServeError
 from logitserve.v1 import logitserve_pb2 as pb
 from logitserve.v1 import logitserve_pb2_grpc as pb_grpc
 

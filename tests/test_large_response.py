@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import grpc
 import numpy as np
-import torch
 
 from conftest import serve_dir
 from helpers import Reference, build_model

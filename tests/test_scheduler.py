@@ -165,3 +165,48 @@ def test_request_timeout_and_stream_deadline_end_with_deadline_exceeded(model_di
             assert c.logprobs([[4, 5, 6]])[0].shape == (3,)
     finally:
         server.stop()
+
+
+def test_cancelled_queued_job_frees_its_queue_tokens_at_once():
+    """Scheduler alone, with a runner held by a gate: a job cancelled while queued leaves the queue at once."""
+    import threading
+
+    import torch
+
+    from logitserve.engine import Piece
+    from logitserve.server.scheduler import Scheduler
+    from logitserve.spec import Job, LogprobsOpts, OutputKind
+
+    gate = threading.Event()
+
+    def run_batch(jobs, skip):
+        for i, _ in enumerate(jobs):
+            gate.wait(30)
+            yield i, Piece(OutputKind.TOKEN_LOGPROBS, 0, (1,), (0,), torch.zeros(1))
+
+    scheduler = Scheduler(run_batch, SchedulerConfig(max_batch_tokens=100, batch_delay_s=0))
+    job = lambda n: Job(sequences=(np.zeros(n, np.int32),), logprobs=LogprobsOpts())
+
+    async def scenario():
+        async def drain(j):
+            return [p async for p in scheduler.stream(j)]
+        running = asyncio.ensure_future(drain(job(60)))       # the runner holds this one at the gate
+        await asyncio.sleep(0.2)
+        queued = asyncio.ensure_future(drain(job(70)))        # does not fit the batch: waits in the queue
+        await asyncio.sleep(0.1)
+        assert scheduler.queued_tokens() == 130
+        queued.cancel()
+        await asyncio.sleep(0.05)
+        assert scheduler.queued_tokens() == 60                # freed before the running job ends
+        gate.set()
+        return await running
+
+    try:
+        assert len(asyncio.run(scenario())) == 1
+        deadline = time.monotonic() + 5     # the compute thread settles its batch after the last piece
+        while scheduler.queued_tokens() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert scheduler.queued_tokens() == 0
+    finally:
+        gate.set()
+        scheduler.shutdown()

@@ -107,8 +107,9 @@ class Engine:
             positions = positions.to(self.device)
             local_ids = F.pad(ids, (0, max(0, int(positions.max()) + 1 - L)))[positions]        # [n_local]
             h = self.hidden(local_ids, positions)                                               # [n_local, H]
-            if job.scores:
-                yield [self._score(i, h, positions, L)] if self.emits_replicated and bool((positions == L - 1).any()) else []
+            if job.scores:   # from the rank holding the last position (its TP rank 0): one step either way
+                holds_last = self.emits_replicated and bool((positions == L - 1).any())
+                yield [self._score(i, h, positions, L)] if holds_last else []
                 continue
             cands = None
             if job.candidates is not None:
