@@ -8,7 +8,8 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import aio as health_aio
 
 import logitserve
 from logitserve.engine import Engine, EngineConfig
@@ -72,10 +73,15 @@ class Running:
     server: grpc.aio.Server
     port: int
     scheduler: Scheduler
-    health: health.HealthServicer
+    health: health_aio.HealthServicer   # asyncio's: a sync Watch would hold a thread that shutdown waits on
+
+    async def set_serving(self, serving: bool) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in ("", SERVICE_NAME):
+            await self.health.set(name, status)
 
     async def stop(self, grace: Optional[float]) -> None:
-        self.health.enter_graceful_shutdown()
+        await self.health.enter_graceful_shutdown()
         await self.server.stop(grace)
         self.scheduler.shutdown()
 
@@ -103,15 +109,15 @@ async def create_server(loaded: LoadedModel, config: ServerConfig, layout: Optio
     ])
     pb_grpc.add_LogitServeServicer_to_server(
         LogitServeServicer(scheduler, info, loaded.limits, config.max_message_bytes), server)
-    health_servicer = health.HealthServicer()
+    health_servicer = health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     port = server.add_insecure_port(f"{config.host}:{config.port}")
     if port == 0:
         raise OSError(f"cannot bind {config.host}:{config.port}")
     await server.start()
-    for name in ("", SERVICE_NAME):
-        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    return Running(server, port, scheduler, health_servicer)
+    running = Running(server, port, scheduler, health_servicer)
+    await running.set_serving(True)
+    return running
 
 
 async def _until_stopped(running: Running, config: ServerConfig, fatal: asyncio.Event) -> None:
@@ -123,8 +129,10 @@ async def _until_stopped(running: Running, config: ServerConfig, fatal: asyncio.
     await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
     for w in waiters:
         w.cancel()
-    log.info("shutting down (grace %.1fs)", config.grace_s)
-    await running.stop(config.grace_s)
+    # After a lost rank every in-flight request has its UNAVAILABLE already: a short drain flushes it.
+    grace = min(config.grace_s, 1.0) if fatal.is_set() else config.grace_s
+    log.info("shutting down (grace %.1fs)", grace)
+    await running.stop(grace)
 
 
 def _announce(loaded: LoadedModel, config: ServerConfig, port: int, layout: Layout) -> None:
@@ -180,13 +188,7 @@ async def _serve_root(loaded, engine, ctx, layout: Layout, config: ServerConfig)
                                   estimate=estimate)
     _announce(loaded, config, running.port, layout)
 
-    async def not_serving():
-        await fatal.wait()
-        running.health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
-        running.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.NOT_SERVING)
-    watcher = asyncio.ensure_future(not_serving())
-    await _until_stopped(running, config, fatal)
-    watcher.cancel()
+    await _until_stopped(running, config, fatal)   # a lost rank: health goes NOT_SERVING as the server stops
     if runner.failed:
         log.error("exiting: a rank was lost (%s)", runner.failed)
         return 1

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 
 import grpc
@@ -10,6 +11,7 @@ import numpy as np
 import psutil
 import pytest
 import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from conftest import CliServer
 from helpers import Reference, build_model, random_seqs, ref_token_logprobs
@@ -102,6 +104,11 @@ def test_lost_rank_fails_requests_with_unavailable_and_exits_nonzero(tp_model):
     assert len(ranks) == 2
     follower = next(p for p in ranks if "RANK" in p.environ() and p.environ()["RANK"] == "1")
     seqs = random_seqs(np.random.default_rng(24), [900] * 24, vocab=V)
+    statuses = []
+    channel = grpc.insecure_channel(server.address)
+    watch = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(service=""), timeout=60)
+    watcher = threading.Thread(target=lambda: [statuses.append(r.status) for r in _until_error(watch)], daemon=True)
+    watcher.start()
     with TeacherClient(server.address) as c:
         assert c.logprobs([[1, 2, 3]])[0].shape == (3,)
         future = c.submit(seqs, __import__("logitserve.client", fromlist=["Wanted"]).Wanted(topk=2000))
@@ -115,4 +122,16 @@ def test_lost_rank_fails_requests_with_unavailable_and_exits_nonzero(tp_model):
             c.logprobs([[1, 2, 3]])
         assert after.value.code == grpc.StatusCode.UNAVAILABLE
     code = server.proc.wait(timeout=30)
+    print(f"\nlost rank: server exited {code} after {time.monotonic() - t0:.1f} s")
     assert code != 0 and time.monotonic() - t0 < 30
+    watcher.join(10)
+    channel.close()
+    assert statuses[0] == health_pb2.HealthCheckResponse.SERVING
+    assert health_pb2.HealthCheckResponse.NOT_SERVING in statuses, statuses
+
+
+def _until_error(stream):
+    try:
+        yield from stream
+    except grpc.RpcError:
+        return
