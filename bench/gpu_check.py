@@ -8,25 +8,20 @@ not fp32's: the demo's logits are ~5-10, where one bf16 step is 0.03-0.06. On CP
 from __future__ import annotations
 
 import argparse
-import re
-import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 
-from logitserve.client import TeacherClient
+sys.path.insert(0, str(Path(__file__).parent))
+from run import start_server  # noqa: E402
+
+from logitserve.client import TeacherClient  # noqa: E402
 
 
-def serve(layout: str, device: str) -> tuple[subprocess.Popen, str]:
+def serve(layout: str, device: str):
     tp, cp = layout.split("x")
-    proc = subprocess.Popen([sys.executable, "-m", "logitserve.server.cli", "serve", "--host", "127.0.0.1",
-                             "--port", "0", "--dtype", "bf16", "--device", device, "--tp", tp, "--cp", cp],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    for line in proc.stdout:
-        m = re.search(r"serving \S+ on [\d.]+:(\d+)", line)
-        if m:
-            return proc, f"127.0.0.1:{m.group(1)}"
-    raise RuntimeError(f"{layout}: server did not start")
+    return start_server("--dtype", "bf16", "--device", device, "--tp", tp, "--cp", cp)
 
 
 def outputs(address: str, seqs) -> dict:

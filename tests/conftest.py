@@ -2,7 +2,12 @@
 from __future__ import annotations
 
 import os
+import re
+import signal
+import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -79,10 +84,6 @@ class CliServer:
     """`logitserve serve` in its own process, as a user starts it."""
 
     def __init__(self, *args: str):
-        import re
-        import subprocess
-        import time
-
         self.proc = subprocess.Popen([sys.executable, "-m", "logitserve.server.cli", "serve", "--host", "127.0.0.1",
                                       "--port", "0", *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      text=True)
@@ -96,15 +97,12 @@ class CliServer:
             m = re.search(r"logitserve: serving \S+ on [\d.]+:(\d+)", line)
             if m:
                 self.address = f"127.0.0.1:{m.group(1)}"
-                import threading
                 threading.Thread(target=lambda: [self.log.append(x) for x in self.proc.stdout], daemon=True).start()
                 return
         self.proc.kill()
         raise RuntimeError("server did not start:\n" + "".join(self.log))
 
     def stop(self, timeout: float = 30) -> int:
-        import signal
-
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
         return self.proc.wait(timeout)

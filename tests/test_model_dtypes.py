@@ -5,7 +5,6 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import serve_dir
 from helpers import random_seqs
 from logitserve.client import TeacherClient
 
@@ -14,10 +13,10 @@ from logitserve.client import TeacherClient
 def test_half_precision_model_outputs_follow_its_own_logits(model_dirs, dtype, torch_dtype):
     import transformers as tf
 
+    from helpers import ServerThread
     from logitserve.engine import EngineConfig
     from logitserve.loading import load_model
     from logitserve.server.app import ServerConfig
-    from helpers import ServerThread
 
     directory = model_dirs["llama"]
     server = ServerThread(load_model(directory, dtype=dtype), ServerConfig(port=0, engine=EngineConfig(chunk_size=16)))

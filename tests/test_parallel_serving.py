@@ -15,7 +15,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from conftest import CliServer
 from helpers import Reference, build_model, random_seqs, ref_token_logprobs
-from logitserve.client import LogitServeError, TeacherClient
+from logitserve.client import LogitServeError, TeacherClient, Wanted
 from test_outputs import _close, _separated
 
 V = 32003                          # odd: the vocab shards are padded under tp = 2
@@ -111,7 +111,7 @@ def test_lost_rank_fails_requests_with_unavailable_and_exits_nonzero(tp_model):
     watcher.start()
     with TeacherClient(server.address) as c:
         assert c.logprobs([[1, 2, 3]])[0].shape == (3,)
-        future = c.submit(seqs, __import__("logitserve.client", fromlist=["Wanted"]).Wanted(topk=2000))
+        future = c.submit(seqs, Wanted(topk=2000))
         time.sleep(1.0)
         t0 = time.monotonic()
         follower.send_signal(signal.SIGKILL)
