@@ -73,6 +73,7 @@ class Running:
     server: grpc.aio.Server
     port: int
     scheduler: Scheduler
+    layout: Layout
     health: health_aio.HealthServicer   # asyncio's: a sync Watch would hold a thread that shutdown waits on
 
     async def set_serving(self, serving: bool) -> None:
@@ -115,7 +116,7 @@ async def create_server(loaded: LoadedModel, config: ServerConfig, layout: Optio
     if port == 0:
         raise OSError(f"cannot bind {config.host}:{config.port}")
     await server.start()
-    running = Running(server, port, scheduler, health_servicer)
+    running = Running(server, port, scheduler, layout, health_servicer)
     await running.set_serving(True)
     return running
 
@@ -135,17 +136,17 @@ async def _until_stopped(running: Running, config: ServerConfig, fatal: asyncio.
     await running.stop(grace)
 
 
-def _announce(loaded: LoadedModel, config: ServerConfig, port: int, layout: Layout) -> None:
+def _announce(loaded: LoadedModel, config: ServerConfig, running: Running) -> None:
     log.info("serving %s (%s, %s) tp=%d cp=%d on %s:%d", loaded.name, loaded.content_hash, loaded.architecture,
-             layout.tp, layout.cp, config.host, port)
-    print(f"logitserve: serving {loaded.name} on {config.host}:{port}", flush=True)
+             running.layout.tp, running.layout.cp, config.host, running.port)
+    print(f"logitserve: serving {loaded.name} on {config.host}:{running.port}", flush=True)
 
 
 async def serve(model: ModelConfig, config: ServerConfig) -> int:
     """One process, one rank: load, serve until SIGINT/SIGTERM, then drain for config.grace_s."""
     loaded = load(model)
     running = await create_server(loaded, config)
-    _announce(loaded, config, running.port, single_process(str(loaded.head.weight.device)))
+    _announce(loaded, config, running)
     await _until_stopped(running, config, asyncio.Event())
     return 0
 
@@ -186,7 +187,7 @@ async def _serve_root(loaded, engine, ctx, layout: Layout, config: ServerConfig)
     estimate = memory_estimator(loaded, config, engine.shard.size, ctx.tp, ctx.cp)
     running = await create_server(loaded, config, layout, run_batch=runner.run_batch, idle=runner.heartbeat,
                                   estimate=estimate)
-    _announce(loaded, config, running.port, layout)
+    _announce(loaded, config, running)
 
     await _until_stopped(running, config, fatal)   # a lost rank: health goes NOT_SERVING as the server stops
     if runner.failed:

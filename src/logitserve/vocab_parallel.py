@@ -41,10 +41,14 @@ def vp_max(z: torch.Tensor, shard: VocabShard) -> torch.Tensor:
     return _all_reduce(z.amax(dim=-1), dist.ReduceOp.MAX, shard)
 
 
+def _finite_or_zero(m: torch.Tensor) -> torch.Tensor:
+    """A row max to shift by: 0 where the row is all -inf, so its log-sum-exp comes out -inf, not nan."""
+    return torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+
+
 def _local_logsumexp_(z: torch.Tensor) -> torch.Tensor:
     """torch.logsumexp's arithmetic, in place: z is overwritten, and no [N, V] temporary is allocated."""
-    m = z.amax(dim=-1)                                               # [N]
-    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))       # rows of all -inf give -inf below
+    m = _finite_or_zero(z.amax(dim=-1))                              # [N]
     return z.sub_(m[:, None]).exp_().sum(dim=-1).log_().add_(m)
 
 
@@ -58,8 +62,7 @@ def vp_logsumexp(z: torch.Tensor, shard: VocabShard, inplace: bool = False) -> t
     local = _local_logsumexp_(z) if inplace else torch.logsumexp(z, dim=-1)   # [N]
     if not shard.distributed:
         return local
-    m = vp_max(local[:, None], shard)                                # [N]
-    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    m = _finite_or_zero(vp_max(local[:, None], shard))               # [N]
     s = torch.exp(local - m)                                         # [N]
     _all_reduce(s, dist.ReduceOp.SUM, shard)
     return m + torch.log(s)
