@@ -23,6 +23,7 @@ class ModelInfo:
     max_message_bytes: int
     server_version: str
     ranks: tuple              # ({rank, tp_rank, cp_rank, host, device}, ...)
+    batching: str = "unknown"  # "exact" | "packed": how the server runs a batch through the body
 
 
 class OutputsMixin:
@@ -85,4 +86,11 @@ def model_info_of(msg) -> ModelInfo:
                   for r in msg.ranks)
     return ModelInfo(msg.name, msg.content_hash, msg.architecture, kind, msg.vocab_size, msg.max_sequence_length,
                      msg.dtype, msg.tp_size, msg.cp_size, msg.world_size, msg.num_labels, msg.max_message_bytes,
-                     msg.server_version, ranks)
+                     msg.server_version, ranks, batching_name(msg.batching))
+
+
+def batching_name(value: int) -> str:
+    """The proto's Batching value as "exact" | "packed" ("unknown" from a server that does not say)."""
+    from logitserve.v1 import logitserve_pb2 as pb
+
+    return {pb.EXACT: "exact", pb.PACKED: "packed"}.get(value, "unknown")

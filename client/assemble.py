@@ -9,6 +9,7 @@ import numpy as np
 
 from logitserve.v1 import logitserve_pb2 as pb
 
+from .api import batching_name
 from .errors import LogitServeError
 from .wire import DECODE
 
@@ -39,6 +40,7 @@ class ForwardResult:
     scores: Optional[list] = None              # [num_labels] fp32
     applied: Optional[Applied] = None
     model: Optional[ModelIdentity] = None
+    batching: Optional[str] = None             # "exact" | "packed": the mode the server's body ran in
 
 
 _FIELD = {pb.TOKEN_LOGPROBS: "logprobs", pb.TOPK_VALUES: "topk_values", pb.TOPK_IDS: "topk_ids",
@@ -127,7 +129,8 @@ class Assembly:
             applied=Applied(done.applied.temperature,
                             done.applied.top_k if done.applied.HasField("top_k") else None,
                             done.applied.top_p if done.applied.HasField("top_p") else None),
-            model=ModelIdentity(done.model.name, done.model.content_hash, done.model.vocab_size))
+            model=ModelIdentity(done.model.name, done.model.content_hash, done.model.vocab_size),
+            batching=batching_name(done.batching))
         outputs = {name: [None] * self._n for name in self._wanted}
         for (output, seq), target in self._targets.items():
             name = _FIELD[output]

@@ -8,18 +8,19 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 import grpc
+import numpy as np
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 
 import logitserve
-from logitserve.engine import Engine, EngineConfig
+from logitserve.engine import Batching, Engine, EngineConfig
 from logitserve.layout import Layout, single_process
 from logitserve.loading import LoadedModel, load_model
 from logitserve.parallel import ParallelConfig
 from logitserve.v1 import logitserve_pb2_grpc as pb_grpc
 
 from . import codec
-from .scheduler import Scheduler, SchedulerConfig, local_batch_runner
+from .scheduler import Scheduler, SchedulerConfig, engine_batch_runner
 from .servicer import STREAM_WINDOW, LogitServeServicer
 
 log = logging.getLogger("logitserve.server")
@@ -87,23 +88,39 @@ class Running:
         self.scheduler.shutdown()
 
 
-def memory_estimator(loaded: LoadedModel, config: ServerConfig, vocab_local: int, tp: int = 1, cp: int = 1):
+def memory_estimator(loaded: LoadedModel, config: ServerConfig, vocab_local: int, tp: int = 1, cp: int = 1,
+                     batching: Batching = Batching.EXACT):
+    """job -> estimated peak bytes; refuses to start when no request could ever fit the --memory-budget."""
     from logitserve.memory import ModelDims, estimate_peak_bytes
+    from logitserve.spec import Job
 
     dims = ModelDims.of(loaded.model.config, vocab_local, loaded.head.weight.element_size(), tp, cp)
     window = STREAM_WINDOW * config.max_message_bytes   # encoded messages a stream may hold
-    return lambda job: estimate_peak_bytes(job, dims, config.engine.chunk_size, config.scheduler.max_pending, window)
+    pack = config.engine.max_pack_tokens if batching is Batching.PACKED else 0
+
+    def estimate(job: Job) -> int:
+        return estimate_peak_bytes(job, dims, config.engine.chunk_size, config.scheduler.max_pending, window, pack)
+
+    budget = config.scheduler.memory_budget_bytes
+    smallest = estimate(Job(sequences=(np.zeros(1, np.int32),), scores=True))
+    if budget is not None and pack and smallest > budget:
+        raise ValueError(f"--memory-budget {budget / 2**20:.0f} MiB is under a packed body of --max-batch-tokens "
+                         f"{pack} tokens (~{smallest / 2**20:.0f} MiB): lower --max-batch-tokens or use --batching exact")
+    return estimate
 
 
 async def create_server(loaded: LoadedModel, config: ServerConfig, layout: Optional[Layout] = None,
-                        run_batch=None, idle=None, estimate=None) -> Running:
-    """Build and start a server for a loaded model; `run_batch` and `idle` replace the local engine (distributed)."""
+                        run_batch=None, idle=None, estimate=None, batching: Optional[Batching] = None) -> Running:
+    """Build and start a server for a loaded model; `run_batch`, `idle` and `batching` replace the local engine's."""
     layout = layout or single_process(str(loaded.head.weight.device))
     if run_batch is None:
-        run_batch = local_batch_runner(Engine(loaded, config.engine).run)
-    estimate = estimate or memory_estimator(loaded, config, loaded.vocab_size)
+        engine = Engine(loaded, config.engine)
+        batching = engine.batching
+        run_batch = engine_batch_runner(engine.batch_steps)
+    batching = batching or config.engine.batching
+    estimate = estimate or memory_estimator(loaded, config, loaded.vocab_size, batching=batching)
     scheduler = Scheduler(run_batch, config.scheduler, estimate=estimate, idle=idle)
-    info = codec.encode_model_info(loaded, layout, config.max_message_bytes, logitserve.__version__)
+    info = codec.encode_model_info(loaded, layout, config.max_message_bytes, logitserve.__version__, batching)
     server = grpc.aio.server(options=[
         ("grpc.max_receive_message_length", config.max_request_bytes),
         ("grpc.max_send_message_length", config.max_message_bytes),
@@ -184,9 +201,9 @@ async def _serve_root(loaded, engine, ctx, layout: Layout, config: ServerConfig)
     loop = asyncio.get_running_loop()
     fatal = asyncio.Event()
     runner = DistributedRunner(engine, ctx, on_fatal=lambda reason: loop.call_soon_threadsafe(fatal.set))
-    estimate = memory_estimator(loaded, config, engine.shard.size, ctx.tp, ctx.cp)
+    estimate = memory_estimator(loaded, config, engine.shard.size, ctx.tp, ctx.cp, engine.batching)
     running = await create_server(loaded, config, layout, run_batch=runner.run_batch, idle=runner.heartbeat,
-                                  estimate=estimate)
+                                  estimate=estimate, batching=engine.batching)
     _announce(loaded, config, running)
 
     await _until_stopped(running, config, fatal)   # a lost rank: health goes NOT_SERVING as the server stops

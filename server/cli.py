@@ -23,7 +23,11 @@ def _serve_parser(sub) -> None:
     p.add_argument("--cp", type=int, default=1, help="context-parallel ranks (long sequences)")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     p.add_argument("--collective-timeout", type=float, default=60.0, help="seconds before a collective fails")
-    p.add_argument("--max-batch-tokens", type=int, default=16384, help="tokens per batch across all streams")
+    p.add_argument("--max-batch-tokens", type=int, default=16384,
+                   help="tokens per batch across all streams (and per packed body)")
+    p.add_argument("--batching", choices=["packed", "exact"], default="packed",
+                   help="packed: a batch's sequences share one packed body (faster; fp32 within 1e-5 of exact); "
+                        "exact: each sequence alone (bitwise batch invariant). CP always runs exact")
     p.add_argument("--batch-delay-ms", type=float, default=2.0, help="wait after the first request for others")
     p.add_argument("--max-queued-tokens", type=int, default=1 << 20,
                    help="tokens waiting or running; past it RESOURCE_EXHAUSTED")
@@ -60,7 +64,7 @@ def _cmd_serve(args, argv: list[str]) -> int:
     import torch
     from transformers.utils import logging as hf_logging
 
-    from logitserve.engine import EngineConfig
+    from logitserve.engine import Batching, EngineConfig
     from logitserve.parallel import ParallelConfig
 
     from .app import ModelConfig, ServerConfig, serve, serve_rank
@@ -80,7 +84,8 @@ def _cmd_serve(args, argv: list[str]) -> int:
                                 max_queued_tokens=args.max_queued_tokens, memory_budget_bytes=args.memory_budget,
                                 stall_timeout_s=args.stall_timeout, overlap=not args.no_overlap)
     config = ServerConfig(host=args.host, port=args.port, max_message_bytes=args.max_message_bytes,
-                          engine=EngineConfig(chunk_size=args.logprob_chunk_size), scheduler=scheduler)
+                          engine=EngineConfig(chunk_size=args.logprob_chunk_size, batching=Batching(args.batching),
+                                              max_pack_tokens=args.max_batch_tokens), scheduler=scheduler)
     if under_torchrun():
         return serve_rank(model, config, parallel)
     import dataclasses

@@ -97,7 +97,8 @@ def encode_piece(request_id: str, piece: Piece, max_message_bytes: int) -> Itera
                 tensor=pb.Tensor(dtype=_PB_OF_TORCH[tile.dtype], shape=shape, data=_tensor_bytes(tile))))
 
 
-def encode_done(request_id: str, job: Job, identity: pb.ModelIdentity, num_chunks: int) -> pb.ForwardResponse:
+def encode_done(request_id: str, job: Job, identity: pb.ModelIdentity, num_chunks: int,
+                batching: int = pb.BATCHING_UNSPECIFIED) -> pb.ForwardResponse:
     applied = pb.Applied(temperature=job.temperature)
     if job.logprobs is not None:
         if job.logprobs.top_k is not None:
@@ -105,7 +106,7 @@ def encode_done(request_id: str, job: Job, identity: pb.ModelIdentity, num_chunk
         if job.logprobs.top_p is not None:
             applied.top_p = job.logprobs.top_p
     return pb.ForwardResponse(request_id=request_id, done=pb.RequestDone(
-        applied=applied, model=identity, num_chunks=num_chunks, num_tokens=job.num_tokens))
+        applied=applied, model=identity, num_chunks=num_chunks, num_tokens=job.num_tokens, batching=batching))
 
 
 def encode_error(request_id: str, code: grpc.StatusCode, message: str) -> pb.ForwardResponse:
@@ -116,7 +117,12 @@ def identity_of(info: pb.ModelInfoResponse) -> pb.ModelIdentity:
     return pb.ModelIdentity(name=info.name, content_hash=info.content_hash, vocab_size=info.vocab_size)
 
 
-def encode_model_info(loaded, layout, max_message_bytes: int, version: str) -> pb.ModelInfoResponse:
+def encode_batching(mode) -> int:
+    """logitserve.engine.Batching -> the proto's Batching value."""
+    return pb.Batching.Value(mode.name)
+
+
+def encode_model_info(loaded, layout, max_message_bytes: int, version: str, batching) -> pb.ModelInfoResponse:
     """ModelInfoResponse for a LoadedModel served under a Layout (see logitserve.layout)."""
     from logitserve.loading import DTYPE_NAMES
     from logitserve.spec import ModelKind
@@ -128,4 +134,5 @@ def encode_model_info(loaded, layout, max_message_bytes: int, version: str) -> p
         tp_size=layout.tp, cp_size=layout.cp, world_size=layout.world_size,
         ranks=[pb.RankInfo(rank=r.rank, tp_rank=r.tp_rank, cp_rank=r.cp_rank, host=r.host, device=r.device)
                for r in layout.ranks],
-        num_labels=loaded.num_labels, max_message_bytes=max_message_bytes, server_version=version)
+        num_labels=loaded.num_labels, max_message_bytes=max_message_bytes, server_version=version,
+        batching=encode_batching(batching))

@@ -4,8 +4,7 @@
   `max_queued_tokens`, or when its estimated peak memory is over `memory_budget_bytes`.
 - Batching: the first queued job opens a batch; jobs arriving within `batch_delay_s`
   join while the batch stays under `max_batch_tokens`. A batch is one broadcast to the
-  ranks. Each sequence runs at its exact length, so a result never depends on what else
-  is in the batch: batch invariance is bitwise by construction.
+  ranks and, in packed mode, one packed body (see logitserve.engine for the modes).
 - Backpressure: a job holds at most `max_pending` pieces not yet taken by its stream; a
   client that reads nothing for `stall_timeout_s` loses the request, not the server.
 - Cancellation: a cancelled or timed-out job is skipped if queued and stopped at its next
@@ -234,20 +233,17 @@ class Scheduler:
                     pass
 
 
-def local_batch_runner(run_job: Callable[[Job], Iterator[Piece]]) -> BatchRun:
-    """Run a batch's jobs one after the other in this process; a failing job fails alone."""
+def engine_batch_runner(batch_steps) -> BatchRun:
+    """Run a batch through an Engine's `batch_steps` in this process; a failing job fails alone."""
     def run(jobs: list, skip: Callable[[int], bool]) -> Iterator[tuple[int, object]]:
-        for i, job in enumerate(jobs):
-            if skip(i):
-                continue
-            pieces = run_job(job)
-            try:
-                for piece in pieces:
+        steps = batch_steps(jobs, skip)
+        try:
+            for i, step in steps:
+                if isinstance(step, Exception):
+                    yield i, _Failed(step)
+                    continue
+                for piece in step:
                     yield i, piece
-                    if skip(i):
-                        break
-            except Exception as e:
-                yield i, _Failed(e)
-            finally:
-                pieces.close()
+        finally:
+            steps.close()
     return run

@@ -89,7 +89,7 @@ class LogitServeServicer(pb_grpc.LogitServeServicer):
                     for msg in codec.encode_piece(rid, piece, self._max_message_bytes):
                         await emit(msg)
                         n += 1
-            await emit(codec.encode_done(rid, job, self._identity, n))
+            await emit(codec.encode_done(rid, job, self._identity, n, self._info.batching))
         except asyncio.CancelledError:
             if rid in cancel_requested:   # a cancel message, not the stream closing: say so, then end quietly
                 cancel_requested.discard(rid)

@@ -1,5 +1,6 @@
 """Load: many concurrent streams of mixed requests; no errors but the configured RESOURCE_EXHAUSTED, bounded
-server RSS, and every response bitwise equal to the same request served alone afterwards.
+server RSS, and every response equal to the same request served alone afterwards (packed mode, the default:
+within the packed bound; the bitwise batch invariance of exact mode is tested in test_scheduler).
 
 The short version runs in CI; the full one (64 streams, 60 s) is marked slow: `make load-test`.
 """
@@ -16,7 +17,7 @@ import pytest
 
 from conftest import CliServer
 from logitserve.client import AsyncTeacherClient, LogitServeError, TeacherClient
-from test_scheduler import _random_request, _same
+from test_scheduler import _random_request, within_packed_bound
 
 MAX_QUEUED = 6000   # small enough that a burst is refused with RESOURCE_EXHAUSTED
 
@@ -68,7 +69,7 @@ def _load(model_dir, streams: int, seconds: float) -> None:
     for e in refused:
         assert f"--max-queued-tokens {MAX_QUEUED}" in e.details
     for j, got in results:
-        _same(got, alone[j])
+        within_packed_bound(got, alone[j])
     assert rss["peak"] - rss["idle"] < 1 << 30
 
 

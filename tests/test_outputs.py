@@ -91,9 +91,11 @@ def test_full_logits_slices_match_reference(causal):
 def test_half_slices_equal_fp32_reference_rounded(causal, dtype, torch_dtype):
     arch, server, ref = causal
     seqs = random_seqs(np.random.default_rng(5), [30, 9])
+    # One sequence a request: its body then has the reference's [1, L] shape, so its fp32 logits are bitwise
+    # the reference's in either batching mode, and rounding them must give exactly the wire's values.
     with TeacherClient(server.address) as c:
-        got = c.full_logits(seqs, dtype=dtype, temperature=0.9)
-        as_torch = c.full_logits(seqs, dtype="bf16", bf16_as_torch=True) if dtype == "bf16" else None
+        got = [c.full_logits([s], dtype=dtype, temperature=0.9)[0] for s in seqs]
+        as_torch = [c.full_logits([s], dtype="bf16", bf16_as_torch=True)[0] for s in seqs] if dtype == "bf16" else None
     for j, (seq, g) in enumerate(zip(seqs, got)):
         want = ref.logits(seq, 0.9, fp32=True).to(torch_dtype).float().numpy()
         assert np.array_equal(np.asarray(g, dtype=np.float32), want)

@@ -79,7 +79,7 @@ class DistributedRunner:
         """
         with self._lock:
             self._broadcast((_JOB, jobs))
-            steps = ((i, pieces) for i, job in enumerate(jobs) for pieces in self._engine.steps(job))
+            steps = self._engine.batch_steps(jobs, isolate=False)
             # A step runs the model's TP/CP collectives too: any failure in it leaves the ranks out of step.
             try:
                 while (step := self._collective(next, steps, _END)) is not _END:
@@ -117,7 +117,6 @@ def follow(engine: Engine, ctx: ParallelContext) -> None:
         if kind == _STOP:
             return
         if kind == _JOB:
-            for one in job:
-                for pieces in engine.steps(one):
-                    if _others_emit(one, ctx):
-                        dist.gather_object(pieces, None, dst=0, group=ctx.control_group)
+            for i, pieces in engine.batch_steps(job, isolate=False):
+                if _others_emit(job[i], ctx):
+                    dist.gather_object(pieces, None, dst=0, group=ctx.control_group)

@@ -1,9 +1,10 @@
 """Estimates a job's peak extra memory before it runs, so the server refuses what can never fit instead of OOMing.
 
-Sequences run one at a time at their exact length and the head runs `chunk`
-rows at a time, so a job's peak is that of its longest sequence: the body's
-activations plus one chunk's logits and their temporaries plus the outputs
-waiting to be sent. The constants are calibrated against measured peak RSS
+The head runs `chunk` rows at a time. The body runs each sequence alone
+(exact mode) or a packed row of up to `pack_tokens` tokens of the batch's
+sequences (packed mode), so a job's peak is the body's activations for its
+longest sequence or a full pack, whichever is more, plus one chunk's logits
+and their temporaries plus the outputs waiting to be sent. The constants are calibrated against measured peak RSS
 (tests/test_memory.py checks the estimate stays above what is measured).
 """
 from __future__ import annotations
@@ -40,11 +41,13 @@ class ModelDims:
         return cls(hidden, inter // tp, max(1, heads // tp), vocab_local, dtype_bytes, tp, cp)
 
 
-def estimate_peak_bytes(job: Job, dims: ModelDims, chunk: int, pending_pieces: int, window_bytes: int) -> int:
-    """Upper estimate of the extra bytes the job holds at its peak on one rank."""
+def estimate_peak_bytes(job: Job, dims: ModelDims, chunk: int, pending_pieces: int, window_bytes: int,
+                        pack_tokens: int = 0) -> int:
+    """Upper estimate of the extra bytes the job holds at its peak on one rank (pack_tokens: 0 in exact mode)."""
     longest = max(len(s) for s in job.sequences)
     local = math.ceil(longest / (2 * dims.cp)) * 2 if dims.cp > 1 else longest   # rows on this rank
-    body = local * (_BODY_HIDDEN_COPIES * dims.hidden + _BODY_MLP_COPIES * dims.intermediate) * max(dims.dtype_bytes, _FP32)
+    body_rows = max(local, pack_tokens)          # a packed body holds the batch's tokens, not the job's
+    body = body_rows * (_BODY_HIDDEN_COPIES * dims.hidden + _BODY_MLP_COPIES * dims.intermediate) * max(dims.dtype_bytes, _FP32)
     if dims.cp > 1:   # CP attention masks by position: scores [heads, local, longest] fp32
         body += dims.heads * local * math.ceil(longest / (2 * dims.cp)) * 2 * dims.cp * _FP32
     rows = min(chunk, local)

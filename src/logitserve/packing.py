@@ -1,0 +1,146 @@
+"""Packed bodies: many sequences as one row of tokens, attention confined to each sequence (varlen).
+
+A batch's sequences are concatenated into one row [1, N]; position_ids restart
+at 0 for every sequence, and the attention function registered here (through
+transformers' AttentionInterface) attends only within each sequence, causally:
+- CUDA, bf16/fp16: torch's flash-attention `varlen_attn` on cu_seqlens, no mask;
+- otherwise: scaled_dot_product_attention(is_causal) once per group of sequences
+  of equal length (a [n, H, L, D] batch), so no [N, N] mask ever exists and no
+  token is compared with another sequence's.
+transformers builds no mask for an attention implementation it does not know,
+so nothing can slip an all-ones or dense block-diagonal mask in.
+"""
+from __future__ import annotations
+
+import contextlib
+import threading
+from dataclasses import dataclass
+from typing import Iterator, Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+
+VARLEN_ATTENTION = "logitserve_varlen"
+_state = threading.local()
+
+
+@dataclass(frozen=True)
+class Member:
+    """One sequence inside a pack: rows [offset, offset + length) of the packed row."""
+
+    job: int
+    sequence: int
+    offset: int
+    length: int
+
+
+@dataclass(frozen=True)
+class Pack:
+    members: tuple[Member, ...]
+
+    @property
+    def tokens(self) -> int:
+        return sum(m.length for m in self.members)
+
+
+def plan_packs(lengths: Sequence[tuple[int, int, int]], max_tokens: int) -> list[Pack]:
+    """Group (job, sequence, length) in order into packs of at most max_tokens (a longer sequence packs alone)."""
+    packs: list[Pack] = []
+    members: list[Member] = []
+    used = 0
+    for job, seq, n in lengths:
+        if members and used + n > max_tokens:
+            packs.append(Pack(tuple(members)))
+            members, used = [], 0
+        members.append(Member(job, seq, used, n))
+        used += n
+    if members:
+        packs.append(Pack(tuple(members)))
+    return packs
+
+
+def packed_positions(lengths: Sequence[int]) -> torch.Tensor:
+    """Positions restarting at 0 per sequence: [sum(lengths)] int64."""
+    return torch.cat([torch.arange(n) for n in lengths])
+
+
+@contextlib.contextmanager
+def packed_forward(lengths: Sequence[int], device: torch.device) -> Iterator[None]:
+    """Within this block, varlen attention knows where each packed sequence starts and ends."""
+    lens = torch.tensor(list(lengths), dtype=torch.int32)
+    _state.lengths = tuple(int(n) for n in lengths)
+    _state.cu = F.pad(lens.cumsum(0, dtype=torch.int32), (1, 0)).to(device)      # [n_seq + 1]
+    try:
+        yield
+    finally:
+        _state.lengths = _state.cu = None
+
+
+def _groups(lengths: tuple[int, ...]) -> dict[int, list[int]]:
+    """Sequence length -> start offsets of the sequences of that length."""
+    out: dict[int, list[int]] = {}
+    start = 0
+    for n in lengths:
+        out.setdefault(n, []).append(start)
+        start += n
+    return out
+
+
+def _window_mask(length: int, window: Optional[int], device) -> Optional[torch.Tensor]:
+    """Causal mask with a sliding window (keys within `window` of the query), or None for plain causal."""
+    if not window or window >= length:
+        return None
+    i = torch.arange(length, device=device)
+    d = i[:, None] - i[None, :]
+    return (d >= 0) & (d < window)                                        # [L, L] key visible to query
+
+
+def _grouped_sdpa(query, key, value, lengths, scaling, window) -> torch.Tensor:
+    """query [1, H, N, D], key/value [1, Hkv, N, D] -> [1, N, H, D], one sdpa per length."""
+    out = torch.empty(query.shape[0], query.shape[2], query.shape[1], query.shape[3],
+                      dtype=query.dtype, device=query.device)              # [1, N, H, D]
+    gqa = query.shape[1] != key.shape[1]
+    for n, starts in _groups(lengths).items():
+        idx = (torch.tensor(starts, device=query.device)[:, None] + torch.arange(n, device=query.device)).reshape(-1)
+        q = query[0][:, idx].unflatten(1, (len(starts), n)).transpose(0, 1)  # [g, H, n, D]
+        k = key[0][:, idx].unflatten(1, (len(starts), n)).transpose(0, 1)    # [g, Hkv, n, D]
+        v = value[0][:, idx].unflatten(1, (len(starts), n)).transpose(0, 1)
+        mask = _window_mask(n, window, query.device)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and n > 1,
+                                           scale=scaling, enable_gqa=gqa)   # [g, H, n, D]
+        out[0, idx] = o.transpose(1, 2).reshape(-1, o.shape[1], o.shape[3])
+    return out
+
+
+def _flash_varlen(query, key, value, cu, max_len, scaling, window) -> torch.Tensor:
+    from torch.nn.attention.varlen import varlen_attn
+
+    q = query[0].transpose(0, 1).contiguous()                              # [N, H, D]
+    k = key[0].transpose(0, 1).contiguous()                                # [N, Hkv, D]
+    v = value[0].transpose(0, 1).contiguous()
+    left = window - 1 if window else -1
+    out = varlen_attn(q, k, v, cu, cu, max_len, max_len, scale=scaling, window_size=(left, 0),
+                      enable_gqa=query.shape[1] != key.shape[1])          # [N, H, D]
+    return out[None]
+
+
+def varlen_attention_forward(module, query, key, value, attention_mask, dropout: float = 0.0,
+                             scaling: Optional[float] = None, sliding_window: Optional[int] = None, **kwargs):
+    """query: [1, H, N, D], key/value: [1, Hkv, N, D] -> ([1, N, H, D], None), attending within each sequence."""
+    if query.shape[0] != 1:
+        raise RuntimeError(f"varlen attention takes one packed row, got batch {query.shape[0]}")
+    lengths = getattr(_state, "lengths", None) or (query.shape[2],)       # outside packed_forward: one sequence
+    if sum(lengths) != query.shape[2]:
+        raise RuntimeError(f"packed lengths sum to {sum(lengths)}, the row holds {query.shape[2]} tokens")
+    if query.is_cuda and query.dtype in (torch.bfloat16, torch.float16):
+        cu = getattr(_state, "cu", None)
+        if cu is None:
+            cu = torch.tensor([0, query.shape[2]], dtype=torch.int32, device=query.device)
+        return _flash_varlen(query, key, value, cu, max(lengths), scaling, sliding_window), None
+    return _grouped_sdpa(query, key, value, lengths, scaling, sliding_window), None
+
+
+def register_varlen_attention() -> None:
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(VARLEN_ATTENTION, varlen_attention_forward)
