@@ -33,6 +33,7 @@ class ModelConfig:
 
     path: Optional[str] = None          # a local HF directory; None = the embedded demo
     demo: str = "causal"                # demo kind when path is None: causal | reward
+    demo_shape: str = "demo"            # demo shape when path is None: demo | body | 1b (logitserve.demo)
     dtype: str = "fp32"                 # fp32 | bf16 | fp16
     max_seq_len: Optional[int] = None   # default: the model's max_position_embeddings
     device: str = "cpu"                 # single-process serving: cpu | cuda | auto
@@ -58,8 +59,9 @@ class ServerConfig:
 def load(model: ModelConfig) -> LoadedModel:
     from logitserve.demo import demo_dir
 
-    path = model.path or demo_dir(model.demo)
-    name = None if model.path else f"logitserve-demo-{model.demo}"
+    path = model.path or demo_dir(model.demo, model.demo_shape)
+    shape = "" if model.demo_shape == "demo" else f"-{model.demo_shape}"
+    name = None if model.path else f"logitserve-demo-{model.demo}{shape}"
     loaded = load_model(path, dtype=model.dtype, max_seq_len=model.max_seq_len, name=name)
     if model.device != "cpu":
         import torch

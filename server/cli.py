@@ -14,6 +14,8 @@ def _serve_parser(sub) -> None:
     p.add_argument("--port", type=int, default=50051)
     p.add_argument("--model", default=None, help="local Hugging Face model directory (config.json + safetensors)")
     p.add_argument("--demo", choices=["causal", "reward"], default="causal", help="embedded demo when no --model")
+    p.add_argument("--demo-shape", choices=["demo", "body", "1b"], default="demo",
+                   help="the demo's shape: demo (lm_head-heavy), body (8 layers, hidden 768), 1b (for GPUs)")
     p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32")
     p.add_argument("--logprob-chunk-size", type=int, default=512, help="logits rows materialized at a time")
     p.add_argument("--max-seq-len", type=int, default=None, help="default: the model's max_position_embeddings")
@@ -58,6 +60,7 @@ def _client_parsers(sub) -> None:
     e = sub.add_parser("export-demo", help="write the embedded demo model as a Hugging Face directory")
     e.add_argument("directory")
     e.add_argument("--kind", choices=["causal", "reward"], default="causal")
+    e.add_argument("--shape", choices=["demo", "body", "1b"], default="demo")
 
 
 def _cmd_serve(args, argv: list[str]) -> int:
@@ -79,7 +82,8 @@ def _cmd_serve(args, argv: list[str]) -> int:
     threads = args.threads or int(os.environ.get("OMP_NUM_THREADS", "0"))
     if threads:
         torch.set_num_threads(threads)
-    model = ModelConfig(path=args.model, demo=args.demo, dtype=args.dtype, max_seq_len=args.max_seq_len)
+    model = ModelConfig(path=args.model, demo=args.demo, demo_shape=args.demo_shape, dtype=args.dtype,
+                        max_seq_len=args.max_seq_len)
     scheduler = SchedulerConfig(max_batch_tokens=args.max_batch_tokens, batch_delay_s=args.batch_delay_ms / 1e3,
                                 max_queued_tokens=args.max_queued_tokens, memory_budget_bytes=args.memory_budget,
                                 stall_timeout_s=args.stall_timeout, overlap=not args.no_overlap)
@@ -121,7 +125,7 @@ def _cmd_query(args) -> int:
 def _cmd_export(args) -> int:
     from logitserve.demo import export_demo
 
-    print(export_demo(args.directory, args.kind))
+    print(export_demo(args.directory, args.kind, args.shape))
     return 0
 
 

@@ -238,12 +238,10 @@ def engine_batch_runner(batch_steps) -> BatchRun:
     def run(jobs: list, skip: Callable[[int], bool]) -> Iterator[tuple[int, object]]:
         steps = batch_steps(jobs, skip)
         try:
-            for i, step in steps:
-                if isinstance(step, Exception):
-                    yield i, _Failed(step)
-                    continue
-                for piece in step:
-                    yield i, piece
+            for step in steps:
+                for i, error in step.errors:
+                    yield i, _Failed(error)
+                yield from step.pieces
         finally:
             steps.close()
     return run

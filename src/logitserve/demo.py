@@ -1,4 +1,9 @@
-"""The embedded default models: small Llama-style teacher and reward model, built from a fixed seed."""
+"""The embedded default models: Llama-style teachers and reward models of a few shapes, built from a fixed seed.
+
+Shapes: `demo` (the default: 2 layers, hidden 256, its cost mostly the lm_head), `body`
+(8 layers, hidden 768: a body-heavy shape for benchmarks) and `1b` (16 layers, hidden
+2048, ~1.1B parameters, saved in bf16: for GPU checks). All are built locally, no download.
+"""
 from __future__ import annotations
 
 import os
@@ -9,14 +14,21 @@ from pathlib import Path
 DEMO_VERSION = "v1"
 DEMO_SEED = 20261202
 DEMO_KINDS = ("causal", "reward")
+# shape -> (hidden, intermediate, layers, heads, kv heads, saved dtype)
+DEMO_SHAPES = {
+    "demo": (256, 688, 2, 8, 4, "float32"),
+    "body": (768, 2048, 8, 12, 4, "float32"),
+    "1b": (2048, 5632, 16, 32, 8, "bfloat16"),
+}
 
 
-def _demo_config(kind: str):
+def _demo_config(kind: str, shape: str = "demo"):
     from transformers import LlamaConfig
 
+    hidden, inter, layers, heads, kv, _ = DEMO_SHAPES[shape]
     return LlamaConfig(
-        vocab_size=32000, hidden_size=256, intermediate_size=688, num_hidden_layers=2,
-        num_attention_heads=8, num_key_value_heads=4, head_dim=32, max_position_embeddings=8192,
+        vocab_size=32000, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=kv, head_dim=hidden // heads, max_position_embeddings=8192,
         rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=False,
         # Wider than the usual 0.02 so the demo's logits spread like a trained model's.
         initializer_range=0.1, bos_token_id=1, eos_token_id=2, pad_token_id=0,
@@ -38,19 +50,21 @@ def _demo_tokenizer():
                                    eos_token="</s>", pad_token="<unk>")
 
 
-def export_demo(directory: str | os.PathLike, kind: str = "causal") -> Path:
-    """Write the demo model of `kind` as a normal Hugging Face directory; same bytes every time."""
+def export_demo(directory: str | os.PathLike, kind: str = "causal", shape: str = "demo") -> Path:
+    """Write the demo model of `kind` and `shape` as a normal Hugging Face directory; same bytes every time."""
     import torch
     from transformers import LlamaForCausalLM, LlamaForSequenceClassification
 
     if kind not in DEMO_KINDS:
         raise ValueError(f"demo kind {kind!r}: choose one of {DEMO_KINDS}")
+    if shape not in DEMO_SHAPES:
+        raise ValueError(f"demo shape {shape!r}: choose one of {sorted(DEMO_SHAPES)}")
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
     cls = LlamaForCausalLM if kind == "causal" else LlamaForSequenceClassification
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(DEMO_SEED)
-        model = cls(_demo_config(kind)).float().eval()
+        model = cls(_demo_config(kind, shape)).float().eval().to(getattr(torch, DEMO_SHAPES[shape][-1]))
     model.save_pretrained(out, safe_serialization=True)
     _demo_tokenizer().save_pretrained(out)
     return out
@@ -62,15 +76,15 @@ def cache_root() -> Path:
     return Path(base)
 
 
-def demo_dir(kind: str = "causal") -> Path:
-    """The cached demo directory of `kind`, built on first use (atomically, so racing builders agree)."""
-    final = cache_root() / f"demo-{kind}-{DEMO_VERSION}"
+def demo_dir(kind: str = "causal", shape: str = "demo") -> Path:
+    """The cached demo directory of `kind` and `shape`, built on first use (atomically, so racing builders agree)."""
+    final = cache_root() / (f"demo-{kind}-{DEMO_VERSION}" if shape == "demo" else f"demo-{kind}-{shape}-{DEMO_VERSION}")
     if (final / "config.json").exists():
         return final
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".demo-{kind}-", dir=final.parent))
     try:
-        export_demo(tmp, kind)
+        export_demo(tmp, kind, shape)
         try:
             os.rename(tmp, final)
         except OSError:  # another process finished first

@@ -13,7 +13,7 @@ from typing import Callable, Iterator, Optional
 
 import torch.distributed as dist
 
-from .engine import Engine, Piece
+from .engine import Engine, Piece, Step
 from .errors import Unavailable
 from .parallel import ParallelContext
 from .spec import Job
@@ -24,13 +24,13 @@ _JOB, _NOOP, _STOP = "job", "noop", "stop"
 _END = object()
 
 
-def _others_emit(job: Job, ctx: ParallelContext) -> bool:
-    """Whether ranks other than 0 produce pieces for this job; every rank reaches the same answer.
+def _others_emit(jobs: list[Job], step: Step, ctx: ParallelContext) -> bool:
+    """Whether ranks other than 0 produce pieces in this step; every rank reaches the same answer.
 
     Under TP alone, the outputs every TP rank holds alike come from rank 0; only
     full-logits slices come from each rank's vocab shard. Under CP, rows are spread.
     """
-    return ctx.cp > 1 or job.full_logits is not None
+    return ctx.cp > 1 or any(jobs[j].full_logits is not None for j in step.jobs)
 
 
 class RankLost(Unavailable):
@@ -66,7 +66,7 @@ class DistributedRunner:
     def _broadcast(self, msg) -> None:
         self._collective(dist.broadcast_object_list, [msg], src=0, group=self._ctx.control_group)
 
-    def _gather(self, pieces: list[Piece]) -> list[Piece]:
+    def _gather(self, pieces: list[tuple[int, Piece]]) -> list[tuple[int, Piece]]:
         out = [None] * self._ctx.config.world_size
         self._collective(dist.gather_object, pieces, out, dst=0, group=self._ctx.control_group)
         return [p for rank_pieces in out for p in rank_pieces]
@@ -83,14 +83,13 @@ class DistributedRunner:
             # A step runs the model's TP/CP collectives too: any failure in it leaves the ranks out of step.
             try:
                 while (step := self._collective(next, steps, _END)) is not _END:
-                    i, pieces = step
-                    for piece in self._gather(pieces) if _others_emit(jobs[i], self._ctx) else pieces:
-                        yield i, piece
+                    others = _others_emit(jobs, step, self._ctx)
+                    yield from self._gather(list(step.pieces)) if others else step.pieces
             except GeneratorExit:
                 # The consumer left; the other ranks are mid-batch, so finish it in lockstep.
                 while (step := self._collective(next, steps, _END)) is not _END:
-                    if _others_emit(jobs[step[0]], self._ctx):
-                        self._gather(step[1])
+                    if _others_emit(jobs, step, self._ctx):
+                        self._gather(list(step.pieces))
                 raise
 
     def heartbeat(self) -> None:
@@ -117,6 +116,6 @@ def follow(engine: Engine, ctx: ParallelContext) -> None:
         if kind == _STOP:
             return
         if kind == _JOB:
-            for i, pieces in engine.batch_steps(job, isolate=False):
-                if _others_emit(job[i], ctx):
-                    dist.gather_object(pieces, None, dst=0, group=ctx.control_group)
+            for step in engine.batch_steps(job, isolate=False):
+                if _others_emit(job, step, ctx):
+                    dist.gather_object(list(step.pieces), None, dst=0, group=ctx.control_group)

@@ -2,14 +2,15 @@
 
 Batching modes (one per server):
 - PACKED: a batch's sequences run through the body as one packed row (varlen
-  attention, positions restarting per sequence), so throughput follows tokens,
-  not sequence count. Results equal the per-sequence ones within fp32 rounding
-  of differently shaped GEMMs (documented bound 1e-5; bitwise on CPU as measured).
-- EXACT: every sequence runs alone at its exact length: bitwise batch invariance.
+  attention, positions restarting per sequence) and the head runs on chunks of
+  that row, so throughput follows tokens, not sequence count. Results equal the
+  per-sequence ones up to fp32 rounding of differently shaped GEMMs (documented
+  bound 1e-5; README: Batching).
+- EXACT: every sequence runs alone at its exact length and its head chunks start
+  at its own row 0: results are bitwise independent of the batch.
 Under CP the body always runs per sequence (each sequence is spread over the CP ranks).
 Extra memory for the head is O(chunk x V/tp): the [L, V] logits never exist at once.
-The results leave as `Piece`s, rectangles of an output with their offsets,
-so a caller can stream them as they come.
+Results leave step by step as `Piece`s, rectangles of an output with their offsets.
 """
 from __future__ import annotations
 
@@ -20,19 +21,19 @@ from typing import Callable, Iterator, Optional
 import torch
 import torch.nn.functional as F
 
-from .filters import apply_filters
 from .context_parallel import cp_forward, head_tail
 from .loading import LoadedModel
-from .packing import VARLEN_ATTENTION, packed_forward, packed_positions, plan_packs, register_varlen_attention
+from .outputs import HeadShard, Piece, Segment, block_pieces
+from .packing import VARLEN_ATTENTION, Member, Pack, packed_forward, packed_positions, plan_packs, register_varlen_attention
 from .parallel import ParallelContext, single_rank
-from .spec import Job, OutputKind, WireDType
-from .vocab_parallel import VocabShard, full_vocab, vp_gather, vp_logsumexp, vp_topk
+from .spec import Job, OutputKind
+from .vocab_parallel import VocabShard, full_vocab
 
-TORCH_WIRE = {WireDType.FP32: torch.float32, WireDType.BF16: torch.bfloat16, WireDType.FP16: torch.float16}
+__all__ = ["Batching", "Engine", "EngineConfig", "Piece", "Step"]
 
 
 class Batching(enum.Enum):
-    """How a batch's sequences go through the model body; values equal the proto's Batching names."""
+    """How a batch's sequences go through the model body; names equal the proto's Batching values."""
 
     EXACT = "exact"
     PACKED = "packed"
@@ -50,23 +51,20 @@ class EngineConfig:
 
 
 @dataclass(frozen=True)
-class Piece:
-    """One rectangle of one output of one sequence."""
+class Step:
+    """One step of a batch. `jobs` is the same on every rank; pieces and errors are this rank's."""
 
-    output: OutputKind
-    sequence: int
-    full_shape: tuple[int, ...]
-    offset: tuple[int, ...]
-    tensor: torch.Tensor    # contiguous, CPU, wire dtype; shape = extent of the rectangle
+    jobs: tuple[int, ...]                                  # the jobs this step computed for
+    pieces: tuple[tuple[int, Piece], ...] = ()             # (job, piece) this rank emits
+    errors: tuple[tuple[int, Exception], ...] = ()         # jobs that failed here (single process only)
 
 
 class Engine:
-    """Owns a (possibly sharded) model and turns Jobs into Pieces on this rank.
+    """Owns a (possibly sharded) model and turns a batch of Jobs into Steps on this rank.
 
-    `steps` yields one list of Pieces per step, and every rank takes the same
-    number of steps for a job, so a distributed runner can gather step by step.
-    Under TP only tp_rank 0 emits the outputs every TP rank holds alike; each TP
-    rank emits its own vocab columns of full-logits slices.
+    Every rank takes the same steps for the same batch, so a distributed runner can
+    gather step by step. Under TP only tp_rank 0 emits the outputs every TP rank holds
+    alike; each TP rank emits its own vocab columns of full-logits slices.
     """
 
     def __init__(self, loaded: LoadedModel, config: EngineConfig = EngineConfig(),
@@ -76,10 +74,10 @@ class Engine:
         self.shard = shard or full_vocab(loaded.vocab_size)
         self.parallel = parallel or single_rank(str(loaded.head.weight.device))
         self.device = loaded.head.weight.device
-        self.emits_replicated = self.parallel.tp_rank == 0
         self._zbuf: torch.Tensor | None = None   # [chunk, V/tp] fp32, reused: fresh 64 MiB buffers cost page faults
         # Local columns from here on are padding (tp does not divide V): masked to -inf.
-        self._pad_from = min(self.shard.size, max(0, self.shard.vocab_size - self.shard.start))
+        pad_from = min(self.shard.size, max(0, self.shard.vocab_size - self.shard.start))
+        self.head_shard = HeadShard(self.shard, pad_from, emits_replicated=self.parallel.tp_rank == 0)
         # Packing needs each sequence whole on one rank: under CP the body runs per sequence.
         self.batching = Batching.EXACT if self.parallel.cp > 1 else config.batching
         if self.batching is Batching.PACKED:
@@ -95,7 +93,15 @@ class Engine:
         return out.last_hidden_state[0]
 
     @torch.inference_mode()
-    def logits(self, h: torch.Tensor, temperature: float) -> torch.Tensor:
+    def packed_hidden(self, ids: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+        """Last hidden state of several sequences packed in one row. ids: [N] -> [N, H]."""
+        positions = packed_positions(lengths).to(self.device)                                   # [N]
+        with packed_forward(lengths, self.device):
+            out = self.loaded.body(input_ids=ids[None], position_ids=positions[None], use_cache=False)
+        return out.last_hidden_state[0]
+
+    @torch.inference_mode()
+    def logits(self, h: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
         """z/T in fp32 for a chunk of rows, in the engine's reused buffer (valid until the next call). h: [c, H] -> [c, V/tp]."""
         head = self.loaded.head
         rows, cols = h.shape[0], head.out_features
@@ -110,188 +116,174 @@ class Engine:
             z.copy_(F.linear(h, head.weight, head.bias))
         if temperature != 1.0:
             z.div_(temperature)
-        if self._pad_from < z.shape[-1]:
-            z[:, self._pad_from :] = float("-inf")
+        if self.head_shard.pad_from < z.shape[-1]:
+            z[:, self.head_shard.pad_from :] = float("-inf")
         return z
 
-    @torch.inference_mode()
-    def packed_hidden(self, ids: torch.Tensor, lengths: list[int]) -> torch.Tensor:
-        """Last hidden state of several sequences packed in one row. ids: [N] -> [N, H]."""
-        positions = packed_positions(lengths).to(self.device)                                   # [N]
-        with packed_forward(lengths, self.device):
-            out = self.loaded.body(input_ids=ids[None], position_ids=positions[None], use_cache=False)
-        return out.last_hidden_state[0]
-
-    # -- one job, or a batch ------------------------------------------------------
+    # -- a batch --------------------------------------------------------------
     def run(self, job: Job) -> Iterator[Piece]:
-        """Every Piece this rank emits for the job, in order."""
-        for _, step in self.batch_steps([job], isolate=False):
-            yield from step
-
-    def steps(self, job: Job) -> Iterator[list[Piece]]:
-        """This rank's Pieces for one job run alone, step by step (exact mode's body)."""
-        for i, seq in enumerate(job.sequences):
-            yield from self._sequence_steps(job, i, self._ids(seq), None)
+        """Every Piece this rank emits for one job run alone, in order; failures raise."""
+        for step in self.batch_steps([job], isolate=False):
+            yield from (piece for _, piece in step.pieces)
 
     def batch_steps(self, jobs: list[Job], skip: Optional[Callable[[int], bool]] = None,
-                    isolate: bool = True) -> Iterator[tuple[int, list[Piece] | Exception]]:
-        """(job index, this rank's Pieces) step by step for a whole batch, jobs in order.
+                    isolate: bool = True) -> Iterator[Step]:
+        """This rank's Steps for a whole batch.
 
-        Every rank takes the same steps for the same batch. `skip(j)` drops job j (cancelled)
-        from packs not yet run and from its remaining steps. With `isolate`, a job whose step
-        fails yields (j, exception) once and stops; the others go on (single process only:
-        ranks would fall out of step). A packed body that fails is rerun per sequence, so the
-        failure lands on the job that caused it.
+        `skip(j)` drops job j (cancelled) from the work not yet done. With `isolate`, a job
+        whose work fails gets its exception in one Step and is dropped; the others go on
+        (single process only: ranks would fall out of step). Shared work that fails (a
+        packed body, a head chunk of several jobs) is redone per job, so a failure lands
+        on the job that caused it.
         """
-        skip = skip or (lambda j: False)
-        failed: set[int] = set()
-
-        def guarded(j: int, steps: Iterator[list[Piece]]):
-            try:
-                for step in steps:
-                    if skip(j):
-                        return
-                    yield j, step
-            except Exception as e:
-                if not isolate:
-                    raise
-                failed.add(j)
-                yield j, e
-
+        run = _Run(jobs, skip or (lambda j: False), isolate)
         if self.batching is Batching.EXACT:
             for j, job in enumerate(jobs):
-                if not skip(j):
-                    yield from guarded(j, self.steps(job))
+                for i, seq in enumerate(job.sequences):
+                    if run.live(j):
+                        yield from run.guard(j, self._sequence_steps(j, job, i, self._ids(seq)))
             return
-        wanted = [(j, i, len(s)) for j, job in enumerate(jobs) if not skip(j) for i, s in enumerate(job.sequences)]
+        wanted = [(j, i, len(s)) for j, job in enumerate(jobs) if run.live(j) for i, s in enumerate(job.sequences)]
         for pack in plan_packs(wanted, self.config.max_pack_tokens):
-            members = [m for m in pack.members if m.job not in failed and not skip(m.job)]
-            if not members:
-                continue
-            ids = torch.cat([self._ids(jobs[m.job].sequences[m.sequence]) for m in members])   # [N]
-            try:
-                h = self.packed_hidden(ids, [m.length for m in members])                           # [N, H]
-            except Exception:
-                if not isolate:
-                    raise
-                h = None   # rerun per sequence below: whoever fails, fails alone
-            offset = 0
-            for m in members:
-                if m.job in failed or skip(m.job):
-                    offset += m.length
-                    continue
-                rows = None if h is None else h[offset : offset + m.length]
-                offset += m.length
-                yield from guarded(m.job, self._sequence_steps(jobs[m.job], m.sequence,
-                                                               self._ids(jobs[m.job].sequences[m.sequence]), rows))
+            yield from self._pack_steps(run, pack)
 
     def _ids(self, seq) -> torch.Tensor:
         return torch.from_numpy(seq.astype("int64", copy=False)).to(self.device)                 # [L]
 
-    def _sequence_steps(self, job: Job, i: int, ids: torch.Tensor, h: Optional[torch.Tensor]) -> Iterator[list[Piece]]:
-        """Steps of sequence i: per run of rows this rank holds, per chunk of rows. h: [L, H] if packed, else computed here."""
+    def _cands(self, job: Job) -> Optional[dict[int, torch.Tensor]]:
+        if job.candidates is None:
+            return None
+        return {i: torch.from_numpy(c.astype("int64", copy=False)).to(self.device) for i, c in enumerate(job.candidates)}
+
+    # -- exact: one sequence at a time ------------------------------------------------
+    def _sequence_steps(self, j: int, job: Job, i: int, ids: torch.Tensor) -> Iterator[Step]:
+        """Sequence i alone: per run of rows this rank holds (CP), per chunk of rows."""
         p = self.parallel
         L = len(ids)
         positions, runs = head_tail(L, p.cp, p.cp_rank)                                         # [n_local]
         positions = positions.to(self.device)
-        if h is None:
-            local_ids = F.pad(ids, (0, max(0, int(positions.max()) + 1 - L)))[positions]       # [n_local]
-            h = self.hidden(local_ids, positions)                                               # [n_local, H]
+        local_ids = F.pad(ids, (0, max(0, int(positions.max()) + 1 - L)))[positions]           # [n_local]
+        h = self.hidden(local_ids, positions)                                                   # [n_local, H]
         if job.scores:   # from the rank holding the last position (its TP rank 0): one step either way
-            holds_last = self.emits_replicated and bool((positions == L - 1).any())
-            yield [self._score(i, h, positions, L)] if holds_last else []
+            last = positions == L - 1
+            holds_last = self.head_shard.emits_replicated and bool(last.any())
+            yield Step((j,), tuple((j, piece) for piece in self._scores(h[last], [i])) if holds_last else ())
             return
-        cands = None
-        if job.candidates is not None:
-            cands = torch.from_numpy(job.candidates[i].astype("int64", copy=False)).to(self.device)
+        cands = self._cands(job)
         chunk = self.config.chunk_size
         for run in runs:
             for c0 in range(0, run.length, chunk):
                 s0 = run.start + c0                               # global rows [s0, s1) of this step
                 s1 = min(run.start + min(c0 + chunk, run.length), L)
                 if s0 >= s1:                                      # all padding: an empty step
-                    yield []
+                    yield Step((j,))
                     continue
                 rows = h[run.local + c0 : run.local + c0 + (s1 - s0)]
-                yield list(self._chunk(job, i, ids, rows, s0, s1, cands))
+                z = self.logits(rows, job.temperature)                                          # [c, V/tp]
+                pieces = block_pieces(job, z, [Segment(i, ids, s0, s1, 0)], self.head_shard, cands)
+                yield Step((j,), tuple((j, piece) for piece in pieces))
 
     @torch.inference_mode()
-    def _score(self, i: int, h: torch.Tensor, positions: torch.Tensor, L: int) -> Piece:
-        last = h[positions == L - 1]                                                          # [1, H]
-        score = F.linear(last, self.loaded.head.weight, self.loaded.head.bias).float()[0]     # [num_labels]
-        return Piece(OutputKind.SCORES, i, tuple(score.shape), (0,), score.cpu().contiguous())
+    def _scores(self, last: torch.Tensor, sequences: list[int]) -> list[Piece]:
+        """The reward head on each sequence's last hidden state. last: [n, H] -> n Pieces of [num_labels]."""
+        scores = F.linear(last, self.loaded.head.weight, self.loaded.head.bias).float().cpu()   # [n, num_labels]
+        return [Piece(OutputKind.SCORES, i, (scores.shape[1],), (0,), scores[r].contiguous())
+                for r, i in enumerate(sequences)]
+
+    # -- packed: one body for many sequences --------------------------------------------
+    def _pack_steps(self, run: "_Run", pack: Pack) -> Iterator[Step]:
+        members = [m for m in pack.members if run.live(m.job)]
+        if not members:
+            return
+        jobs = run.jobs
+        ids = {(m.job, m.sequence): self._ids(jobs[m.job].sequences[m.sequence]) for m in members}
+        try:
+            h = self.packed_hidden(torch.cat(list(ids.values())), [m.length for m in members])  # [N, H]
+        except Exception:
+            if not run.isolate:
+                raise
+            for m in members:   # redo per sequence: whoever fails, fails alone
+                if run.live(m.job):
+                    yield from run.guard(m.job, self._sequence_steps(m.job, jobs[m.job], m.sequence, ids[(m.job, m.sequence)]))
+            return
+        offsets, at = [], 0
+        for m in members:       # row offsets inside h (the pack's own offsets count dropped members)
+            offsets.append(at)
+            at += m.length
+        if jobs[members[0].job].scores:   # reward models: every job of the batch wants scores
+            last = h[torch.tensor([o + m.length - 1 for o, m in zip(offsets, members)], device=h.device)]   # [n, H]
+            by_job: dict[int, list[int]] = {}
+            for r, m in enumerate(members):
+                by_job.setdefault(m.job, []).append(r)
+            pieces = []
+            for j, rows in by_job.items():
+                pieces += [(j, p) for p in self._scores(last[rows], [members[r].sequence for r in rows])] \
+                    if self.head_shard.emits_replicated else []
+            yield Step(tuple(by_job), tuple(pieces))
+            return
+        cands = {j: self._cands(jobs[j]) for j in dict.fromkeys(m.job for m in members)}
+        chunk = self.config.chunk_size
+        for c0 in range(0, at, chunk):
+            c1 = min(c0 + chunk, at)
+            segs: dict[int, list[Segment]] = {}           # job -> its segments in this chunk, rows relative to c0
+            for o, m in zip(offsets, members):
+                a, b = max(o, c0), min(o + m.length, c1)
+                if a < b and run.live(m.job):
+                    segs.setdefault(m.job, []).append(
+                        Segment(m.sequence, ids[(m.job, m.sequence)], a - o, b - o, a - c0))
+            yield self._chunk_step(run, h[c0:c1], segs, cands)
 
     @torch.inference_mode()
-    def _chunk(self, job: Job, i: int, ids: torch.Tensor, h: torch.Tensor, s0: int, s1: int,
-               cands: torch.Tensor | None) -> Iterator[Piece]:
-        """Pieces for rows [s0, s1) of sequence i. ids: [L], h: [s1-s0, H].
-
-        Everything that reads the raw logits runs first; the log-sum-exp runs last and
-        in place, consuming the buffer, so a chunk allocates nothing of size [c, V].
-        """
-        L, V, shard = len(ids), self.shard.vocab_size, self.shard
-        replicated = self.emits_replicated
-        z = self.logits(h, job.temperature)                                         # [c, V/tp]
-        pieces: list[Piece] = []
-        if job.full_logits is not None:
-            piece = self._slice(job, i, z, s0, s1, L, V)
-            if piece is not None:
-                pieces.append(piece)
-        opts = job.logprobs
-        wants_lp = opts is not None and (s0 == 0 or s0 + 1 < L)
-        filtered = opts is not None and (opts.top_k is not None or opts.top_p is not None)
-        n = min(s1, L - 1) - s0                                                     # rows with a target
-        targets = ids[s0 + 1 : s0 + 1 + n, None]                                    # [n, 1]
-        if wants_lp and filtered:
-            kept = apply_filters(z[:n], shard, opts.top_k, opts.top_p)              # [n, V/tp], a copy
-            lp = vp_gather(kept, targets, shard)[:, 0] - vp_logsumexp(kept, shard, inplace=True)
-        elif wants_lp:
-            target_z = vp_gather(z[:n], targets, shard)[:, 0]                       # [n]
-        top = vp_topk(z, job.topk.k, shard) if job.topk is not None else None       # [c, k] x2
-        cand_z = vp_gather(z, cands[s0:s1], shard) if cands is not None else None   # [c, n_cand]
-        needs_lse = (wants_lp and not filtered) or (top is not None and job.topk.as_logprobs) or cand_z is not None
-        lse = vp_logsumexp(z, shard, inplace=True) if needs_lse else None           # [c]; z is gone now
-
-        if wants_lp:
-            if not filtered:
-                lp = target_z - lse[:n]
-            pieces.append(self._token_logprobs_piece(i, lp, s0, L))
-        if top is not None:
-            vals, top_ids = top
-            if job.topk.as_logprobs:
-                vals = vals - lse[:, None]
-            k = job.topk.k
-            pieces.append(Piece(OutputKind.TOPK_VALUES, i, (L, k), (s0, 0), _wire(vals, job.topk.dtype)))
-            pieces.append(Piece(OutputKind.TOPK_IDS, i, (L, k), (s0, 0), top_ids.to(torch.int32).cpu().contiguous()))
-        if cand_z is not None:
-            lp_c = cand_z - lse[:, None]                                            # [c, n_cand]
-            pieces.append(Piece(OutputKind.CANDIDATE_LOGPROBS, i, tuple(cands.shape), (s0, 0), lp_c.cpu().contiguous()))
-        # Under TP every rank computed the reductions; only the replicated outputs' owner emits them.
-        yield from (p for p in pieces if replicated or p.output is OutputKind.FULL_LOGITS)
-
-    @staticmethod
-    def _token_logprobs_piece(i: int, lp: torch.Tensor, s0: int, L: int) -> Piece:
-        """lp holds lp[t+1] for rows t in [s0, ...); lp[0] = 0 joins the first chunk."""
-        start = s0 + 1
-        if s0 == 0:
-            lp = torch.cat([lp.new_zeros(1), lp])
-            start = 0
-        return Piece(OutputKind.TOKEN_LOGPROBS, i, (L,), (start,), lp.cpu().contiguous())
-
-    def _slice(self, job: Job, i: int, z: torch.Tensor, s0: int, s1: int, L: int, V: int) -> Piece | None:
-        """The part of the requested rectangle inside these rows and this rank's columns."""
-        r0, r1, v0, v1 = job.full_logits.bounds(L, V)
-        a, b = max(r0, s0), min(r1, s1)
-        c0, c1 = max(v0, self.shard.start), min(v1, self.shard.start + self._pad_from)
-        if a >= b or c0 >= c1:
-            return None
-        rect = z[a - s0 : b - s0, c0 - self.shard.start : c1 - self.shard.start]
-        return Piece(OutputKind.FULL_LOGITS, i, (r1 - r0, v1 - v0), (a - r0, c0 - v0),
-                     _wire(rect, job.full_logits.dtype))
+    def _chunk_step(self, run: "_Run", h: torch.Tensor, segs: dict[int, list[Segment]], cands: dict) -> Step:
+        """One head chunk of a pack: one matmul for all its rows, then each job's outputs on its own rows."""
+        try:
+            z = self.logits(h)                                                                  # [c, V/tp] at T = 1
+        except Exception:
+            if not run.isolate:
+                raise
+            z = None                                        # redo per job below
+        pieces, errors = [], []
+        for j, job_segs in segs.items():
+            job = run.jobs[j]
+            first, last = job_segs[0].row, job_segs[-1].rows.stop      # a job's members are consecutive
+            try:
+                if z is None:
+                    zj = self.logits(h[first:last], job.temperature)
+                else:
+                    zj = z[first:last]
+                    if job.temperature != 1.0:
+                        zj.div_(job.temperature)
+                rebased = [Segment(g.sequence, g.ids, g.s0, g.s1, g.row - first) for g in job_segs]
+                pieces += [(j, p) for p in block_pieces(job, zj, rebased, self.head_shard, cands[j])]
+            except Exception as e:
+                if not run.isolate:
+                    raise
+                run.failed.add(j)
+                errors.append((j, e))
+        return Step(tuple(segs), tuple(pieces), tuple(errors))
 
 
-def _wire(t: torch.Tensor, dtype: WireDType) -> torch.Tensor:
-    """A fresh contiguous CPU copy in the wire dtype: never a view of the reused logits buffer."""
-    out = torch.empty(t.shape, dtype=TORCH_WIRE[dtype])
-    out.copy_(t)
-    return out
+class _Run:
+    """A batch in progress: its jobs, which were skipped or failed, and whether failures stay with their job."""
+
+    def __init__(self, jobs: list[Job], skip: Callable[[int], bool], isolate: bool):
+        self.jobs = jobs
+        self.skip = skip
+        self.isolate = isolate
+        self.failed: set[int] = set()
+
+    def live(self, j: int) -> bool:
+        return j not in self.failed and not self.skip(j)
+
+    def guard(self, j: int, steps: Iterator[Step]) -> Iterator[Step]:
+        """The job's steps until it is skipped; with isolate, an exception becomes one error Step."""
+        try:
+            for step in steps:
+                yield step
+                if not self.live(j):
+                    return
+        except Exception as e:
+            if not self.isolate:
+                raise
+            self.failed.add(j)
+            yield Step((j,), errors=((j, e),))

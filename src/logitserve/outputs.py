@@ -1,0 +1,145 @@
+"""Every token output of one job from a block of its logits rows: logprobs, filters, top-k, candidates, slices.
+
+A block is `[n, V/tp]` rows of z/T in fp32 (a view into the engine's reused
+buffer) made of consecutive segments, each a run of rows of one sequence, so a
+head chunk may hold the ends of several short sequences of the same job. Row-wise
+reductions run once over the whole block; the results are cut into per-sequence
+`Piece`s. Everything that reads the raw logits runs first; the log-sum-exp runs
+last and in place, consuming the block, so a block allocates nothing of size [n, V].
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from .filters import apply_filters
+from .spec import Job, OutputKind, WireDType
+from .vocab_parallel import VocabShard, vp_gather, vp_logsumexp, vp_topk
+
+TORCH_WIRE = {WireDType.FP32: torch.float32, WireDType.BF16: torch.bfloat16, WireDType.FP16: torch.float16}
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One rectangle of one output of one sequence."""
+
+    output: OutputKind
+    sequence: int
+    full_shape: tuple[int, ...]
+    offset: tuple[int, ...]
+    tensor: torch.Tensor    # contiguous, CPU, wire dtype; shape = extent of the rectangle
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Global rows [s0, s1) of sequence `sequence` (ids: [L]) sit at block rows [row, row + s1 - s0)."""
+
+    sequence: int
+    ids: torch.Tensor
+    s0: int
+    s1: int
+    row: int
+
+    @property
+    def rows(self) -> slice:
+        return slice(self.row, self.row + self.s1 - self.s0)
+
+    def targets(self) -> torch.Tensor:
+        """Row t's target ids[t + 1]; a sequence's last row has none and takes 0 (its value is never sent). [s1-s0]"""
+        t = self.ids[self.s0 + 1 : self.s1 + 1]
+        missing = (self.s1 - self.s0) - len(t)
+        return torch.cat([t, t.new_zeros(missing)]) if missing else t
+
+
+@dataclass(frozen=True)
+class HeadShard:
+    """What the reductions need to know of this rank's vocab columns."""
+
+    shard: VocabShard
+    pad_from: int           # local columns from here on are padding
+    emits_replicated: bool  # TP rank 0: emits the outputs every TP rank holds alike
+
+
+@torch.inference_mode()
+def block_pieces(job: Job, z: torch.Tensor, segs: list[Segment], hs: HeadShard,
+                 cands: Optional[dict[int, torch.Tensor]] = None) -> list[Piece]:
+    """This rank's Pieces of `job` for a block. z: [n, V/tp] z/T (consumed), cands: sequence -> [L, c] ids."""
+    shard, V = hs.shard, hs.shard.vocab_size
+    pieces: list[Piece] = []
+    if job.full_logits is not None:
+        for g in segs:
+            piece = _slice(job, g, z[g.rows], V, hs)
+            if piece is not None:
+                pieces.append(piece)
+    opts = job.logprobs
+    filtered = opts is not None and (opts.top_k is not None or opts.top_p is not None)
+    lp = target_z = None
+    if opts is not None:
+        targets = torch.cat([g.targets() for g in segs])[:, None]                 # [n, 1]
+        if filtered:
+            kept = apply_filters(z, shard, opts.top_k, opts.top_p)                  # [n, V/tp], a copy
+            lp = vp_gather(kept, targets, shard)[:, 0] - vp_logsumexp(kept, shard, inplace=True)
+        else:
+            target_z = vp_gather(z, targets, shard)[:, 0]                           # [n]
+    top = vp_topk(z, job.topk.k, shard) if job.topk is not None else None           # [n, k] x2
+    cand_z = None
+    if job.candidates is not None:                                                  # per segment: c differs
+        cand_z = [vp_gather(z[g.rows], cands[g.sequence][g.s0 : g.s1], shard) for g in segs]
+    needs_lse = (opts is not None and not filtered) or (top is not None and job.topk.as_logprobs) or cand_z is not None
+    lse = vp_logsumexp(z, shard, inplace=True) if needs_lse else None               # [n]; z is gone now
+
+    if opts is not None:
+        if not filtered:
+            lp = target_z - lse
+        for g in segs:
+            L = len(g.ids)
+            if g.s0 == 0 or g.s0 + 1 < L:                                           # rows with a target, or lp[0]
+                n = min(g.s1, L - 1) - g.s0
+                pieces.append(_token_logprobs_piece(g.sequence, lp[g.row : g.row + n], g.s0, L))
+    if top is not None:
+        vals, top_ids = top
+        if job.topk.as_logprobs:
+            vals = vals - lse[:, None]
+        k = job.topk.k
+        for g in segs:
+            L = len(g.ids)
+            pieces.append(Piece(OutputKind.TOPK_VALUES, g.sequence, (L, k), (g.s0, 0), _wire(vals[g.rows], job.topk.dtype)))
+            pieces.append(Piece(OutputKind.TOPK_IDS, g.sequence, (L, k), (g.s0, 0),
+                                top_ids[g.rows].to(torch.int32).cpu().contiguous()))
+    if cand_z is not None:
+        for g, cz in zip(segs, cand_z):
+            lp_c = cz - lse[g.rows, None]                                           # [s1-s0, c]
+            shape = tuple(cands[g.sequence].shape)
+            pieces.append(Piece(OutputKind.CANDIDATE_LOGPROBS, g.sequence, shape, (g.s0, 0), lp_c.cpu().contiguous()))
+    # Under TP every rank computed the reductions; only the replicated outputs' owner emits them.
+    return [p for p in pieces if hs.emits_replicated or p.output is OutputKind.FULL_LOGITS]
+
+
+def _token_logprobs_piece(i: int, lp: torch.Tensor, s0: int, L: int) -> Piece:
+    """lp holds lp[t+1] for rows t in [s0, ...); lp[0] = 0 joins the first chunk."""
+    start = s0 + 1
+    if s0 == 0:
+        lp = torch.cat([lp.new_zeros(1), lp])
+        start = 0
+    return Piece(OutputKind.TOKEN_LOGPROBS, i, (L,), (start,), lp.cpu().contiguous())
+
+
+def _slice(job: Job, g: Segment, z: torch.Tensor, V: int, hs: HeadShard) -> Optional[Piece]:
+    """The part of the requested rectangle inside this segment's rows and this rank's columns. z: [s1-s0, V/tp]."""
+    L, start = len(g.ids), hs.shard.start
+    r0, r1, v0, v1 = job.full_logits.bounds(L, V)
+    a, b = max(r0, g.s0), min(r1, g.s1)
+    c0, c1 = max(v0, start), min(v1, start + hs.pad_from)
+    if a >= b or c0 >= c1:
+        return None
+    rect = z[a - g.s0 : b - g.s0, c0 - start : c1 - start]
+    return Piece(OutputKind.FULL_LOGITS, g.sequence, (r1 - r0, v1 - v0), (a - r0, c0 - v0), _wire(rect, job.full_logits.dtype))
+
+
+def _wire(t: torch.Tensor, dtype: WireDType) -> torch.Tensor:
+    """A fresh contiguous CPU copy in the wire dtype: never a view of the reused logits buffer."""
+    out = torch.empty(t.shape, dtype=TORCH_WIRE[dtype])
+    out.copy_(t)
+    return out
