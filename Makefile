@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 # CPU torch first: with no torch present an unpinned install would pull a multi-GB CUDA build.
 TORCH ?= torch==2.13.0
 
-.PHONY: install serve test load-test bench
+.PHONY: install serve test load-test bench bench-batching
 $(STAMP): pyproject.toml setup.py proto/logitserve/v1/logitserve.proto
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
@@ -27,3 +27,6 @@ load-test: $(STAMP)  ## the full load test: 64 streams for 60 s
 
 bench: $(STAMP)  ## the benchmark: writes bench/results/*.json and prints a markdown table
 	$(BIN)/python bench/run.py $(ARGS)
+
+bench-batching: $(STAMP)  ## throughput by batch shape (demo and body-heavy models; packed vs exact vs the floor)
+	$(BIN)/python bench/batching.py $(ARGS)

@@ -1,4 +1,4 @@
-"""bf16 sharded serving on GPUs: every (tp, cp) layout against tp = cp = 1 in bf16, on the demo model.
+"""bf16 sharded serving on GPUs: every (tp, cp) layout (and exact batching) against tp = cp = 1 in bf16, on the demo model.
 
 bf16 matmuls reduce in a different order when sharded, so the bound is bf16's,
 not fp32's: the demo's logits are ~5-10, where one bf16 step is 0.03-0.06. On CPU
@@ -20,8 +20,11 @@ from logitserve.client import TeacherClient  # noqa: E402
 
 
 def serve(layout: str, device: str):
-    tp, cp = layout.split("x")
-    return start_server("--dtype", "bf16", "--device", device, "--tp", tp, "--cp", cp)
+    """layout: "TPxCP", optionally ":exact" for exact batching (packed otherwise)."""
+    grid, _, batching = layout.partition(":")
+    tp, cp = grid.split("x")
+    return start_server("--dtype", "bf16", "--device", device, "--tp", tp, "--cp", cp,
+                        "--batching", batching or "packed")
 
 
 def outputs(address: str, seqs) -> dict:

@@ -2,7 +2,11 @@
 # GPU checks for sharded serving, in one command:  bash bench/gpu_check.sh
 #  1. the CPU suite's equality checks (fp32, against one-process float64 transformers) with CUDA + NCCL,
 #     on every (tp, cp) layout the GPUs fit: 1 GPU -> 1x1; 2 -> 1x1 2x1 1x2; 4+ -> also 2x2;
-#  2. bf16 on CUDA: every layout against tp = cp = 1 bf16 on the demo model (bench/gpu_check.py).
+#  2. bf16 on CUDA: every layout, and 1x1 in exact batching, against tp = cp = 1 bf16 on the demo model
+#     (bench/gpu_check.py);
+#  3. throughput by batch shape on CUDA: a ~1.1B Llama (the `1b` demo shape, built locally, bf16), 8x512,
+#     64x64, a mixed batch and reward 64x128, packed and exact against the batched in-process floor
+#     (bench/batching.py). The whole script is sized to finish in under 8 minutes on one GPU.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python}
@@ -16,4 +20,6 @@ echo "== fp32 equality with NCCL, layouts $layouts"
 LOGITSERVE_TEST_DEVICE=cuda LOGITSERVE_TEST_LAYOUTS=$layouts \
   $PY -m pytest -q -ra tests/test_parallel_serving.py -k "every_output or filters"
 echo "== bf16 consistency, layouts $layouts"
-$PY bench/gpu_check.py --device cuda --layouts "$layouts"
+$PY bench/gpu_check.py --device cuda --layouts "$layouts,1x1:exact"
+echo "== throughput by batch shape, CUDA bf16, 1b shape"
+$PY bench/batching.py --device cuda --dtype bf16 --shapes 1b --workloads 8x512,64x64,mixed,64x128 --repeats 5

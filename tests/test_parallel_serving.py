@@ -56,6 +56,8 @@ def test_every_output_equals_one_process_reference(sharded):
     assert sorted((x["tp_rank"], x["cp_rank"]) for x in info.ranks) == sorted(
         (t, c) for t in range(tp) for c in range(cp))
     assert info.vocab_size == V
+    # packed by default; under CP every sequence is spread over the ranks, so bodies run per sequence
+    assert info.batching == r.batching == ("exact" if cp > 1 else "packed")
     for j, seq in enumerate(seqs):
         z = ref.logits(seq, 0.9)                                        # [L, V] float64
         _close(r.logprobs[j], ref_token_logprobs(z, seq))

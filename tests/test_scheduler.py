@@ -95,6 +95,31 @@ def test_exact_mode_results_are_bitwise_identical_alone_and_batched(batching_ser
             _same(got, c.forward(**r))
 
 
+def test_packed_mode_batched_results_equal_alone_within_the_bound(model_dirs):
+    server = serve_dir(model_dirs["llama"], chunk_size=16, batching="packed",
+                       scheduler=SchedulerConfig(max_batch_tokens=2000, batch_delay_s=0.02))
+    rng = np.random.default_rng(35)
+    requests = [_random_request(rng) for _ in range(24)]
+
+    async def concurrently():
+        clients = [AsyncTeacherClient(server.address) for _ in range(8)]
+        try:
+            return await asyncio.gather(*(clients[i % 8].forward(**r) for i, r in enumerate(requests)))
+        finally:
+            for c in clients:
+                await c.close()
+    try:
+        before = server.running.scheduler.batches_run
+        batched = asyncio.run(concurrently())
+        assert server.running.scheduler.batches_run - before < len(requests)
+        with TeacherClient(server.address) as c:
+            for r, got in zip(requests, batched):
+                assert got.batching == "packed"
+                within_packed_bound(got, c.forward(**r))
+    finally:
+        server.stop()
+
+
 def test_queue_over_its_token_limit_answers_resource_exhausted(model_dirs):
     server = serve_dir(model_dirs["llama"], scheduler=SchedulerConfig(max_queued_tokens=1000))
     long = random_seqs(np.random.default_rng(32), [400, 400])

@@ -13,6 +13,7 @@ so nothing can slip an all-ones or dense block-diagonal mask in.
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 from dataclasses import dataclass
 from typing import Iterator, Optional, Sequence
@@ -22,6 +23,8 @@ import torch.nn.functional as F
 
 VARLEN_ATTENTION = "logitserve_varlen"
 _state = threading.local()
+_flash_ok = True          # cleared, with a warning, if the GPU or build has no varlen flash kernel
+log = logging.getLogger("logitserve.packing")
 
 
 @dataclass(frozen=True)
@@ -132,11 +135,16 @@ def varlen_attention_forward(module, query, key, value, attention_mask, dropout:
     lengths = getattr(_state, "lengths", None) or (query.shape[2],)       # outside packed_forward: one sequence
     if sum(lengths) != query.shape[2]:
         raise RuntimeError(f"packed lengths sum to {sum(lengths)}, the row holds {query.shape[2]} tokens")
-    if query.is_cuda and query.dtype in (torch.bfloat16, torch.float16):
+    global _flash_ok
+    if _flash_ok and query.is_cuda and query.dtype in (torch.bfloat16, torch.float16):
         cu = getattr(_state, "cu", None)
         if cu is None:
             cu = torch.tensor([0, query.shape[2]], dtype=torch.int32, device=query.device)
-        return _flash_varlen(query, key, value, cu, max(lengths), scaling, sliding_window), None
+        try:
+            return _flash_varlen(query, key, value, cu, max(lengths), scaling, sliding_window), None
+        except (RuntimeError, ImportError, NotImplementedError) as e:   # no flash kernel for this GPU or build
+            _flash_ok = False
+            log.warning("varlen flash attention unavailable (%s); packed attention uses sdpa per length", e)
     return _grouped_sdpa(query, key, value, lengths, scaling, sliding_window), None
 
 

@@ -1,0 +1,289 @@
+"""Packed batching: packed results equal per-sequence results within the documented bound and the float64
+reference, no sequence sees another's tokens, failures and cancellations stay with their job."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import CliServer, serve_dir
+from helpers import Reference, build_model, random_seqs, ref_token_logprobs
+from logitserve.client import TeacherClient
+from test_outputs import _close, _separated
+from test_scheduler import PACKED_ATOL
+
+V = 1003
+MAX_POS = 1024
+
+
+def _mix(rng, n: int) -> list[np.ndarray]:
+    """n sequences with lengths drawn in 1..1000, plus the edge lengths 1 and 2."""
+    return random_seqs(rng, [1, 2, *rng.integers(1, 1001, n)], vocab=V)
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("packing")
+    out = {arch: build_model(root / arch, arch, vocab=V, max_pos=MAX_POS, seed=5) for arch in ("llama", "qwen2", "gpt2")}
+    out["reward"] = build_model(root / "reward", "llama", kind="reward", vocab=V, max_pos=MAX_POS, num_labels=2, seed=6)
+    return out
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2", "gpt2"])
+def pair(request, dirs):
+    """(packed server, exact server, float64 reference) on one architecture; 64-row head chunks."""
+    packed = serve_dir(dirs[request.param], chunk_size=64, batching="packed")
+    exact = serve_dir(dirs[request.param], chunk_size=64, batching="exact")
+    yield packed, exact, Reference(dirs[request.param])
+    packed.stop()
+    exact.stop()
+
+
+def _forward(server, seqs, **kw):
+    with TeacherClient(server.address) as c:
+        return c.forward(seqs, **kw)
+
+
+def test_packed_equals_exact_and_reference_on_random_mixes(pair):
+    packed, exact, ref = pair
+    rng = np.random.default_rng(71)
+    seqs = _mix(rng, 8)
+    cands = [rng.integers(0, V, (len(s), 5)) for s in seqs]
+    kw = dict(temperature=0.8, logprobs=True, topk=12, candidates=cands, full_logits=True, vocab_range=(100, 180))
+    got, want = _forward(packed, seqs, **kw), _forward(exact, seqs, **kw)
+    assert (got.batching, want.batching) == ("packed", "exact")
+    for j, seq in enumerate(seqs):
+        for name in ("logprobs", "topk_values", "candidate_logprobs", "full_logits"):   # the documented bound
+            np.testing.assert_allclose(getattr(got, name)[j], getattr(want, name)[j], atol=PACKED_ATOL, rtol=0)
+        z = ref.logits(seq, 0.8)                                                            # [L, V] float64
+        _close(got.logprobs[j], ref_token_logprobs(z, seq))
+        sorted_v, sorted_i = torch.sort(z, -1, descending=True)
+        _close(got.topk_values[j], sorted_v[:, :12].numpy())
+        sep = _separated(sorted_v.numpy(), 12)
+        assert np.array_equal(got.topk_ids[j][sep], sorted_i[:, :12].numpy()[sep])
+        assert np.array_equal(got.topk_ids[j][sep], want.topk_ids[j][sep])
+        _close(got.candidate_logprobs[j], torch.log_softmax(z, -1).gather(-1, torch.as_tensor(cands[j])).numpy())
+        _close(got.full_logits[j], z[:, 100:180].numpy())
+
+
+@pytest.mark.parametrize("top_k,top_p,temperature", [(20, None, 1.0), (None, 0.7, 1.3), (64, 0.9, 0.6)])
+def test_packed_filtered_logprobs_equal_reference(pair, top_k, top_p, temperature):
+    packed, exact, ref = pair
+    seqs = _mix(np.random.default_rng(72), 5)
+    got = _forward(packed, seqs, logprobs=True, top_k=top_k, top_p=top_p, temperature=temperature)
+    want = _forward(exact, seqs, logprobs=True, top_k=top_k, top_p=top_p, temperature=temperature)
+    for j, seq in enumerate(seqs):
+        _close(got.logprobs[j], ref_token_logprobs(ref.logits(seq, temperature), seq, top_k=top_k, top_p=top_p))
+        np.testing.assert_allclose(got.logprobs[j], want.logprobs[j], atol=PACKED_ATOL, rtol=0)
+
+
+def test_no_sequence_sees_another(pair):
+    """Changing one sequence's tokens leaves every other sequence's outputs bitwise unchanged, and each
+    sequence's outputs match it run alone within the bound: no mask lets sequences attend across."""
+    packed, _, ref = pair
+    rng = np.random.default_rng(73)
+    seqs = _mix(rng, 6)
+    other = [s.copy() for s in seqs]
+    victim = 4
+    other[victim] = rng.integers(0, V, len(seqs[victim]))
+    kw = dict(logprobs=True, topk=8, full_logits=True, vocab_range=(0, 50))
+    a, b = _forward(packed, seqs, **kw), _forward(packed, other, **kw)
+    for j in range(len(seqs)):
+        same = all(np.array_equal(getattr(a, n)[j], getattr(b, n)[j]) for n in ("logprobs", "topk_values", "full_logits"))
+        assert same == (j != victim), j
+    alone = _forward(packed, [seqs[3]], **kw)
+    np.testing.assert_allclose(a.full_logits[3], alone.full_logits[0], atol=PACKED_ATOL, rtol=0)
+    _close(a.full_logits[3], ref.logits(seqs[3])[:, :50].numpy())
+
+
+def test_packed_reward_scores_equal_reference_and_exact(dirs):
+    ref = Reference(dirs["reward"])
+    seqs = [s + 1 for s in _mix(np.random.default_rng(74), 10)]          # no pad id (0) inside
+    packed = serve_dir(dirs["reward"], batching="packed")
+    exact = serve_dir(dirs["reward"], batching="exact")
+    try:
+        got, want = _forward(packed, seqs, scores=True), _forward(exact, seqs, scores=True)
+    finally:
+        packed.stop()
+        exact.stop()
+    for j, seq in enumerate(seqs):
+        with torch.no_grad():
+            ref_score = ref.model(torch.as_tensor(seq)[None]).logits[0].numpy()
+        np.testing.assert_allclose(got.scores[j], ref_score, atol=1e-5, rtol=0)
+        np.testing.assert_allclose(got.scores[j], want.scores[j], atol=PACKED_ATOL, rtol=0)
+
+
+def test_packed_under_tp2_equals_reference_and_isolates_sequences(dirs):
+    ref = Reference(dirs["llama"])
+    rng = np.random.default_rng(75)
+    seqs = _mix(rng, 5)
+    other = [s.copy() for s in seqs]
+    other[2] = rng.integers(0, V, len(seqs[2]))
+    server = CliServer("--model", str(dirs["llama"]), "--tp", "2", "--batching", "packed", "--logprob-chunk-size", "64")
+    try:
+        with TeacherClient(server.address) as c:
+            info = c.model_info()
+            kw = dict(logprobs=True, topk=6, full_logits=True, vocab_range=(490, 520), temperature=0.9)
+            a, b = c.forward(seqs, **kw), c.forward(other, **kw)
+    finally:
+        assert server.stop() == 0
+    assert info.tp_size == 2 and info.batching == "packed" and a.batching == "packed"
+    for j, seq in enumerate(seqs):
+        z = ref.logits(seq, 0.9)
+        _close(a.logprobs[j], ref_token_logprobs(z, seq))
+        _close(a.full_logits[j], z[:, 490:520].numpy())
+        sorted_v, sorted_i = torch.sort(z, -1, descending=True)
+        sep = _separated(sorted_v.numpy(), 6)
+        assert np.array_equal(a.topk_ids[j][sep], sorted_i[:, :6].numpy()[sep])
+        same = np.array_equal(a.logprobs[j], b.logprobs[j]) and np.array_equal(a.full_logits[j], b.full_logits[j])
+        assert same == (j != 2), j
+
+
+# -- the engine alone: failures and cancellations stay with their job --------------------------------------
+@pytest.fixture(scope="module")
+def engine(dirs):
+    from logitserve.engine import Engine, EngineConfig
+    from logitserve.loading import load_model
+
+    return Engine(load_model(dirs["llama"]), EngineConfig(chunk_size=64))
+
+
+def _jobs(rng):
+    from logitserve.spec import Job, LogprobsOpts, TopKOpts
+
+    return [Job(tuple(s.astype(np.int32) for s in random_seqs(rng, lens, vocab=V)), temperature=t,
+                logprobs=LogprobsOpts(), topk=TopKOpts(4))
+            for lens, t in (([30, 7], 1.0), ([13, 40], 0.77), ([25], 1.2))]
+
+
+def _collect(steps, n):
+    out = {j: [] for j in range(n)}
+    errors = {}
+    for step in steps:
+        for j, e in step.errors:
+            errors[j] = e
+        for j, p in step.pieces:
+            out[j].append(p)
+    return out, errors
+
+
+def _assemble(pieces, job):
+    """Token logprobs per sequence from pieces, checking every row came once."""
+    from logitserve.spec import OutputKind
+
+    out = [np.full(len(s), np.nan, np.float32) for s in job.sequences]
+    for p in pieces:
+        if p.output is OutputKind.TOKEN_LOGPROBS:
+            seg = out[p.sequence][p.offset[0] : p.offset[0] + len(p.tensor)]
+            assert np.isnan(seg).all()
+            seg[:] = p.tensor.numpy()
+    assert not any(np.isnan(x).any() for x in out)
+    return out
+
+
+def test_a_failing_job_fails_alone_in_a_shared_pack_and_head_chunk(engine, monkeypatch):
+    import logitserve.engine as eng
+
+    jobs = _jobs(np.random.default_rng(76))
+    alone = [_assemble(list(engine.run(job)), job) for job in jobs]
+    real = eng.block_pieces
+
+    def flaky(job, *a, **kw):   # the head fails for job 1 only
+        if job.temperature == 0.77:
+            raise RuntimeError("injected head failure")
+        return real(job, *a, **kw)
+    monkeypatch.setattr(eng, "block_pieces", flaky)
+    out, errors = _collect(engine.batch_steps(jobs), len(jobs))
+    assert set(errors) == {1} and "injected" in str(errors[1])
+    for j in (0, 2):
+        for got, want in zip(_assemble(out[j], jobs[j]), alone[j]):
+            np.testing.assert_allclose(got, want, atol=PACKED_ATOL, rtol=0)
+    monkeypatch.setattr(eng, "block_pieces", real)
+
+    real_packed, real_hidden = engine.packed_hidden, engine.hidden
+
+    def packed_hidden(ids, lengths):       # a pack holding job 1's 13-token sequence fails as a whole...
+        if 13 in lengths:
+            raise RuntimeError("injected body failure")
+        return real_packed(ids, lengths)
+
+    def hidden(ids, positions):            # ...and so does that sequence alone, when the pack is redone
+        if len(ids) == 13:
+            raise RuntimeError("injected body failure")
+        return real_hidden(ids, positions)
+    monkeypatch.setattr(engine, "packed_hidden", packed_hidden)
+    monkeypatch.setattr(engine, "hidden", hidden)
+    out, errors = _collect(engine.batch_steps(jobs), len(jobs))
+    assert set(errors) == {1} and "injected body" in str(errors[1])
+    for j in (0, 2):
+        for got, want in zip(_assemble(out[j], jobs[j]), alone[j]):
+            np.testing.assert_allclose(got, want, atol=PACKED_ATOL, rtol=0)
+
+
+def test_a_cancelled_job_stops_and_the_others_finish(engine):
+    jobs = _jobs(np.random.default_rng(77))
+    cancelled = set()
+    out = {j: [] for j in range(len(jobs))}
+    for step in engine.batch_steps(jobs, skip=lambda j: j in cancelled):
+        for j, p in step.pieces:
+            out[j].append(p)
+        if out[0]:
+            cancelled.add(0)
+    full = _collect(engine.batch_steps(jobs[:1]), 1)[0][0]
+    assert 0 < len(out[0]) < len(full)
+    for j in (1, 2):
+        _assemble(out[j], jobs[j])
+
+
+def test_memory_budget_under_a_packed_body_refuses_to_start(dirs):
+    from logitserve.engine import Batching
+    from logitserve.loading import load_model
+    from logitserve.server.app import ServerConfig, memory_estimator
+    from logitserve.server.scheduler import SchedulerConfig
+
+    config = ServerConfig(scheduler=SchedulerConfig(memory_budget_bytes=4 << 20))
+    with pytest.raises(ValueError, match="--max-batch-tokens 16384"):
+        memory_estimator(load_model(dirs["llama"]), config, V, batching=Batching.PACKED)
+
+
+# -- the attention function and the pack plan on their own ---------------------------------------------
+def _reference_attention(q, k, v, lengths, window=None):
+    """Per sequence, an explicit causal (sliding-window) softmax in float64. q: [1, H, N, D], k/v: [1, Hkv, N, D]."""
+    H, Hkv = q.shape[1], k.shape[1]
+    k, v = k.repeat_interleave(H // Hkv, dim=1), v.repeat_interleave(H // Hkv, dim=1)
+    out, start = [], 0
+    for n in lengths:
+        qs, ks, vs = (t[0, :, start : start + n] for t in (q, k, v))           # [H, n, D]
+        s = qs @ ks.transpose(-1, -2) / q.shape[-1] ** 0.5                     # [H, n, n]
+        d = torch.arange(n)[:, None] - torch.arange(n)[None, :]
+        visible = (d >= 0) & (d < (window or n + 1))
+        s = s.masked_fill(~visible, float("-inf"))
+        out.append((torch.softmax(s, -1) @ vs).transpose(0, 1))                # [n, H, D]
+        start += n
+    return torch.cat(out)[None]                                                # [1, N, H, D]
+
+
+@pytest.mark.parametrize("window", [None, 4])
+def test_varlen_attention_equals_per_sequence_softmax(window):
+    from logitserve.packing import packed_forward, varlen_attention_forward
+
+    torch.manual_seed(0)
+    lengths = [1, 5, 5, 17, 3, 5]
+    N = sum(lengths)
+    q = torch.randn(1, 4, N, 8, dtype=torch.float64)
+    k, v = torch.randn(1, 2, N, 8, dtype=torch.float64), torch.randn(1, 2, N, 8, dtype=torch.float64)
+    with packed_forward(lengths, torch.device("cpu")):
+        got, _ = varlen_attention_forward(None, q, k, v, None, scaling=8 ** -0.5, sliding_window=window)
+    torch.testing.assert_close(got, _reference_attention(q, k, v, lengths, window), atol=1e-12, rtol=0)
+    alone, _ = varlen_attention_forward(None, q[:, :, :1], k[:, :, :1], v[:, :, :1], None, scaling=8 ** -0.5)
+    torch.testing.assert_close(alone, _reference_attention(q[:, :, :1], k[:, :, :1], v[:, :, :1], [1]))
+
+
+def test_plan_packs_bounds_tokens_and_keeps_order():
+    from logitserve.packing import plan_packs
+
+    items = [(0, 0, 5), (0, 1, 7), (1, 0, 30), (2, 0, 3), (2, 1, 4)]
+    packs = plan_packs(items, max_tokens=12)
+    assert [[(m.job, m.sequence) for m in p.members] for p in packs] == [[(0, 0), (0, 1)], [(1, 0)], [(2, 0), (2, 1)]]
+    assert [p.tokens for p in packs] == [12, 30, 7]          # a sequence over the bound packs alone
+    assert [m.offset for m in packs[2].members] == [0, 3]
