@@ -91,14 +91,14 @@ class Running:
 
 
 def memory_estimator(loaded: LoadedModel, config: ServerConfig, vocab_local: int, tp: int = 1, cp: int = 1,
-                     batching: Batching = Batching.EXACT):
+                     pack_tokens: int = 0):
     """job -> estimated peak bytes; refuses to start when no request could ever fit the --memory-budget."""
     from logitserve.memory import ModelDims, estimate_peak_bytes
     from logitserve.spec import Job
 
     dims = ModelDims.of(loaded.model.config, vocab_local, loaded.head.weight.element_size(), tp, cp)
     window = STREAM_WINDOW * config.max_message_bytes   # encoded messages a stream may hold
-    pack = config.engine.max_pack_tokens if batching is Batching.PACKED else 0
+    pack = pack_tokens    # tokens of a packed body (Engine.pack_tokens); 0 in exact mode
 
     def estimate(job: Job) -> int:
         return estimate_peak_bytes(job, dims, config.engine.chunk_size, config.scheduler.max_pending, window, pack)
@@ -106,8 +106,9 @@ def memory_estimator(loaded: LoadedModel, config: ServerConfig, vocab_local: int
     budget = config.scheduler.memory_budget_bytes
     smallest = estimate(Job(sequences=(np.zeros(1, np.int32),), scores=True))
     if budget is not None and pack and smallest > budget:
-        raise ValueError(f"--memory-budget {budget / 2**20:.0f} MiB is under a packed body of --max-batch-tokens "
-                         f"{pack} tokens (~{smallest / 2**20:.0f} MiB): lower --max-batch-tokens or use --batching exact")
+        raise ValueError(f"--memory-budget {budget / 2**20:.0f} MiB is under a packed body of {pack} tokens "
+                         f"(~{smallest / 2**20:.0f} MiB; at most --max-batch-tokens): lower --max-batch-tokens "
+                         f"or use --batching exact")
     return estimate
 
 
@@ -119,8 +120,9 @@ async def create_server(loaded: LoadedModel, config: ServerConfig, layout: Optio
         engine = Engine(loaded, config.engine)
         batching = engine.batching
         run_batch = engine_batch_runner(engine.batch_steps)
+        estimate = estimate or memory_estimator(loaded, config, loaded.vocab_size, pack_tokens=engine.pack_tokens)
     batching = batching or config.engine.batching
-    estimate = estimate or memory_estimator(loaded, config, loaded.vocab_size, batching=batching)
+    estimate = estimate or memory_estimator(loaded, config, loaded.vocab_size)
     scheduler = Scheduler(run_batch, config.scheduler, estimate=estimate, idle=idle)
     info = codec.encode_model_info(loaded, layout, config.max_message_bytes, logitserve.__version__, batching)
     server = grpc.aio.server(options=[
@@ -203,7 +205,7 @@ async def _serve_root(loaded, engine, ctx, layout: Layout, config: ServerConfig)
     loop = asyncio.get_running_loop()
     fatal = asyncio.Event()
     runner = DistributedRunner(engine, ctx, on_fatal=lambda reason: loop.call_soon_threadsafe(fatal.set))
-    estimate = memory_estimator(loaded, config, engine.shard.size, ctx.tp, ctx.cp, engine.batching)
+    estimate = memory_estimator(loaded, config, engine.shard.size, ctx.tp, ctx.cp, engine.pack_tokens)
     running = await create_server(loaded, config, layout, run_batch=runner.run_batch, idle=runner.heartbeat,
                                   estimate=estimate, batching=engine.batching)
     _announce(loaded, config, running)

@@ -37,6 +37,8 @@ def _serve_parser(sub) -> None:
                    help="refuse requests whose estimated peak is over this, e.g. 2GiB (default: no limit)")
     p.add_argument("--stall-timeout", type=float, default=60.0, help="drop a request whose stream reads nothing this long")
     p.add_argument("--no-overlap", action="store_true", help="send each piece before computing the next (for measuring)")
+    p.add_argument("--no-malloc-tuning", action="store_true",
+                   help="keep glibc's malloc defaults (by default: one arena, no trimming; see logitserve.hostmem)")
 
 
 def _size(text: str) -> int:
@@ -78,6 +80,10 @@ def _cmd_serve(args, argv: list[str]) -> int:
                               device=args.device)
     if parallel.world_size > 1 and not under_torchrun():
         return spawn_local(argv[1:], parallel.world_size, args.threads)
+    if not args.no_malloc_tuning:
+        from logitserve.hostmem import tune_host_malloc
+
+        tune_host_malloc()
     hf_logging.disable_progress_bar()
     threads = args.threads or int(os.environ.get("OMP_NUM_THREADS", "0"))
     if threads:

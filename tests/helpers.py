@@ -101,3 +101,20 @@ class ServerThread:
         asyncio.run_coroutine_threadsafe(self.running.stop(0), self.loop).result()
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join()
+
+
+def filter_rows_decided(z: torch.Tensor, top_k=None, top_p=None, margin: float = 1e-5) -> np.ndarray:
+    """[L] bool: rows whose filtered set cannot flip under a perturbation of the logits below `margin`
+    (no value within margin of the k-th largest, no cumulative probability within margin of p).
+    Where a row is not decided, fp32 rounding alone may move a token in or out of the kept set."""
+    z = z.double()
+    ok = torch.ones(z.shape[0], dtype=torch.bool)
+    sorted_z = torch.sort(z, dim=-1, descending=True).values
+    if top_k is not None and top_k < z.shape[-1]:
+        ok &= (sorted_z[:, top_k - 1] - sorted_z[:, top_k]) > margin
+        sorted_z = torch.where(sorted_z >= sorted_z[:, top_k - 1 : top_k], sorted_z, torch.full_like(sorted_z, float("-inf")))
+    if top_p is not None and top_p < 1.0:
+        probs = torch.softmax(sorted_z, dim=-1)
+        cum_before = torch.cumsum(probs, dim=-1) - probs
+        ok &= ((cum_before - top_p).abs() > margin).all(dim=-1)
+    return ok.numpy()

@@ -39,7 +39,7 @@ def test_logprobs_peak_rss_is_0_7_gib_below_a_plain_forward(demo_cli_server):
     from logitserve.demo import demo_dir
     from logitserve.loading import load_model
     from logitserve.server.app import ServerConfig, memory_estimator
-    from logitserve.engine import Batching, EngineConfig
+    from logitserve.engine import Engine, EngineConfig
     from logitserve.spec import Job, LogprobsOpts
 
     seq = np.random.default_rng(0).integers(0, 32000, L)
@@ -47,13 +47,14 @@ def test_logprobs_peak_rss_is_0_7_gib_below_a_plain_forward(demo_cli_server):
     with TeacherClient(demo_cli_server.address) as c:
         lp = c.logprobs([seq])[0]
     server_peak = _vm_hwm_kib(demo_cli_server.proc.pid) * 1024
-    estimator = memory_estimator(load_model(demo_dir("causal")), ServerConfig(engine=EngineConfig(512)), 32000,
-                                 batching=Batching.PACKED)     # the CLI server's default mode
+    loaded = load_model(demo_dir("causal"))
+    pack = Engine(loaded, EngineConfig(512)).pack_tokens       # the CLI server's default: packed
+    estimator = memory_estimator(loaded, ServerConfig(engine=EngineConfig(512)), 32000, pack_tokens=pack)
     estimate = estimator(Job(sequences=(seq.astype(np.int32),), logprobs=LogprobsOpts()))
     print(f"\nrequest's extra memory: measured <= {(server_peak - before) / 2**20:.0f} MiB, "
           f"estimated {estimate / 2**20:.0f} MiB")
     assert estimate >= server_peak - before, "the admission estimate must not undercount"
-    # a full packed body: 32 x 512 tokens share one body (--max-batch-tokens 16384)
+    # full packed bodies: 32 x 512 tokens in one request
     many = [np.random.default_rng(i).integers(0, 32000, 512) for i in range(32)]
     with TeacherClient(demo_cli_server.address) as c:
         assert len(c.logprobs(many)) == 32

@@ -24,7 +24,8 @@ import torch.nn.functional as F
 from .context_parallel import cp_forward, head_tail
 from .loading import LoadedModel
 from .outputs import HeadShard, Piece, Segment, block_pieces
-from .packing import VARLEN_ATTENTION, Member, Pack, packed_forward, packed_positions, plan_packs, register_varlen_attention
+from .packing import (VARLEN_ATTENTION, Pack, cpu_pack_tokens, packed_forward, packed_positions, plan_packs,
+                      register_varlen_attention)
 from .parallel import ParallelContext, single_rank
 from .spec import Job, OutputKind
 from .vocab_parallel import VocabShard, full_vocab
@@ -43,7 +44,8 @@ class Batching(enum.Enum):
 class EngineConfig:
     chunk_size: int = 512                   # rows of logits materialized at a time (--logprob-chunk-size)
     batching: Batching = Batching.PACKED    # --batching
-    max_pack_tokens: int = 16384            # tokens per packed body (a longer sequence packs alone)
+    max_pack_tokens: int = 16384            # tokens per packed body at most (a longer sequence packs alone);
+                                            # on CPU also at most packing.cpu_pack_tokens (allocator-friendly)
 
     def __post_init__(self):
         if self.chunk_size < 1 or self.max_pack_tokens < 1:
@@ -80,9 +82,16 @@ class Engine:
         self.head_shard = HeadShard(self.shard, pad_from, emits_replicated=self.parallel.tp_rank == 0)
         # Packing needs each sequence whole on one rank: under CP the body runs per sequence.
         self.batching = Batching.EXACT if self.parallel.cp > 1 else config.batching
+        self.pack_tokens = 0                     # tokens per packed body; 0 in exact mode
         if self.batching is Batching.PACKED:
             register_varlen_attention()
             loaded.model.set_attn_implementation(VARLEN_ATTENTION)
+            self.pack_tokens = config.max_pack_tokens
+            if self.device.type == "cpu":
+                cfg = loaded.model.config
+                hidden = int(getattr(cfg, "hidden_size", 0) or getattr(cfg, "n_embd", 0))
+                inter = int(getattr(cfg, "intermediate_size", 0) or getattr(cfg, "n_inner", 0) or 4 * hidden)
+                self.pack_tokens = cpu_pack_tokens(hidden, inter, self.parallel.tp, config.max_pack_tokens)
 
     # -- the model ------------------------------------------------------------
     @torch.inference_mode()
@@ -144,7 +153,7 @@ class Engine:
                         yield from run.guard(j, self._sequence_steps(j, job, i, self._ids(seq)))
             return
         wanted = [(j, i, len(s)) for j, job in enumerate(jobs) if run.live(j) for i, s in enumerate(job.sequences)]
-        for pack in plan_packs(wanted, self.config.max_pack_tokens):
+        for pack in plan_packs(wanted, self.pack_tokens):
             yield from self._pack_steps(run, pack)
 
     def _ids(self, seq) -> torch.Tensor:

@@ -4,9 +4,9 @@ A batch's sequences are concatenated into one row [1, N]; position_ids restart
 at 0 for every sequence, and the attention function registered here (through
 transformers' AttentionInterface) attends only within each sequence, causally:
 - CUDA, bf16/fp16: torch's flash-attention `varlen_attn` on cu_seqlens, no mask;
-- otherwise: scaled_dot_product_attention(is_causal) once per group of sequences
-  of equal length (a [n, H, L, D] batch), so no [N, N] mask ever exists and no
-  token is compared with another sequence's.
+- otherwise: scaled_dot_product_attention(is_causal) once per run of consecutive
+  sequences of equal length (a [g, H, L, D] view of the row), so no [N, N] mask
+  ever exists and no token is compared with another sequence's.
 transformers builds no mask for an attention implementation it does not know,
 so nothing can slip an all-ones or dense block-diagonal mask in.
 """
@@ -62,6 +62,16 @@ def plan_packs(lengths: Sequence[tuple[int, int, int]], max_tokens: int) -> list
     return packs
 
 
+def cpu_pack_tokens(hidden: int, intermediate: int, tp: int, upper: int) -> int:
+    """Tokens per pack on CPU: the largest power of two whose widest activation ([n, intermediate/tp] fp32)
+    stays within half of glibc's largest mmap threshold, so tuned malloc reuses it (logitserve.hostmem)."""
+    from .hostmem import MMAP_THRESHOLD
+
+    width = max(intermediate // max(tp, 1), hidden, 1)
+    n = max(1, (MMAP_THRESHOLD // 2) // (4 * width))
+    return max(1, min(upper, max(256, 1 << (n.bit_length() - 1))))
+
+
 def packed_positions(lengths: Sequence[int]) -> torch.Tensor:
     """Positions restarting at 0 per sequence: [sum(lengths)] int64."""
     return torch.cat([torch.arange(n) for n in lengths])
@@ -79,14 +89,17 @@ def packed_forward(lengths: Sequence[int], device: torch.device) -> Iterator[Non
         _state.lengths = _state.cu = None
 
 
-def _groups(lengths: tuple[int, ...]) -> dict[int, list[int]]:
-    """Sequence length -> start offsets of the sequences of that length."""
-    out: dict[int, list[int]] = {}
+def _runs(lengths: tuple[int, ...]) -> list[tuple[int, int, int]]:
+    """(first row, length, count) of each run of consecutive sequences of equal length."""
+    runs: list[tuple[int, int, int]] = []
     start = 0
     for n in lengths:
-        out.setdefault(n, []).append(start)
+        if runs and runs[-1][1] == n:
+            runs[-1] = (runs[-1][0], n, runs[-1][2] + 1)
+        else:
+            runs.append((start, n, 1))
         start += n
-    return out
+    return runs
 
 
 def _window_mask(length: int, window: Optional[int], device) -> Optional[torch.Tensor]:
@@ -99,19 +112,19 @@ def _window_mask(length: int, window: Optional[int], device) -> Optional[torch.T
 
 
 def _grouped_sdpa(query, key, value, lengths, scaling, window) -> torch.Tensor:
-    """query [1, H, N, D], key/value [1, Hkv, N, D] -> [1, N, H, D], one sdpa per length."""
+    """query [1, H, N, D], key/value [1, Hkv, N, D] -> [1, N, H, D]: one sdpa per run of equal lengths, on views."""
     out = torch.empty(query.shape[0], query.shape[2], query.shape[1], query.shape[3],
                       dtype=query.dtype, device=query.device)              # [1, N, H, D]
     gqa = query.shape[1] != key.shape[1]
-    for n, starts in _groups(lengths).items():
-        idx = (torch.tensor(starts, device=query.device)[:, None] + torch.arange(n, device=query.device)).reshape(-1)
-        q = query[0][:, idx].unflatten(1, (len(starts), n)).transpose(0, 1)  # [g, H, n, D]
-        k = key[0][:, idx].unflatten(1, (len(starts), n)).transpose(0, 1)    # [g, Hkv, n, D]
-        v = value[0][:, idx].unflatten(1, (len(starts), n)).transpose(0, 1)
+    for a, n, g in _runs(lengths):
+        rows = slice(a, a + g * n)
+        q = query[0, :, rows].unflatten(1, (g, n)).transpose(0, 1)          # [g, H, n, D]
+        k = key[0, :, rows].unflatten(1, (g, n)).transpose(0, 1)            # [g, Hkv, n, D]
+        v = value[0, :, rows].unflatten(1, (g, n)).transpose(0, 1)
         mask = _window_mask(n, window, query.device)
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and n > 1,
                                            scale=scaling, enable_gqa=gqa)   # [g, H, n, D]
-        out[0, idx] = o.transpose(1, 2).reshape(-1, o.shape[1], o.shape[3])
+        out[0, rows] = o.transpose(1, 2).reshape(g * n, o.shape[1], o.shape[3])
     return out
 
 
