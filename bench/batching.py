@@ -12,7 +12,6 @@ the signal. --device cuda --dtype bf16 --shapes 1b runs the same table on a GPU 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
@@ -23,7 +22,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
-from run import interleaved, start_server  # noqa: E402
+from run import interleaved, start_server, write_result  # noqa: E402
 
 WORKLOADS = {"8x512": [512] * 8, "64x64": [64] * 64}
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
@@ -180,9 +179,7 @@ def main() -> int:
         "note": f"{args.device} {args.dtype}, median of {args.repeats}, mixed = 12 lengths in 16..1024",
         "rows": rows, "ratios": ratios(rows),
     }
-    out = Path(__file__).parent / "results" / f"batching-{datetime.now():%Y%m%d-%H%M%S}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
+    out = write_result(result, "batching")
     print(markdown(result))
     print(f"\nJSON: {out}")
     return 0

@@ -39,6 +39,14 @@ def vm_hwm(pid: int) -> int:
         return int(next(x for x in f if x.startswith("VmHWM")).split()[1]) * 1024
 
 
+def write_result(result: dict, prefix: str) -> Path:
+    """bench/results/<prefix>-<time>.json"""
+    out = Path(__file__).parent / "results" / f"{prefix}-{datetime.now():%Y%m%d-%H%M%S}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
+    return out
+
+
 def interleaved(cases: dict, repeats: int) -> dict[str, list[float]]:
     """Run every case once to warm up, then `repeats` rounds of all cases; seconds per run."""
     for fn in cases.values():
@@ -186,9 +194,7 @@ def main() -> int:
         "vllm_note": vllm_note,
         "rows": rows,
     }
-    out = Path(__file__).parent / "results" / f"bench-{datetime.now():%Y%m%d-%H%M%S}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
+    out = write_result(result, "bench")
     from report import markdown
 
     print(markdown(result))

@@ -199,11 +199,7 @@ def test_a_failing_job_fails_alone_in_a_shared_pack_and_head_chunk(engine, monke
             raise RuntimeError("injected head failure")
         return real(job, *a, **kw)
     monkeypatch.setattr(eng, "block_pieces", flaky)
-    out, errors = _collect(engine.batch_steps(jobs), len(jobs))
-    assert set(errors) == {1} and "injected" in str(errors[1])
-    for j in (0, 2):
-        for got, want in zip(_assemble(out[j], jobs[j]), alone[j]):
-            np.testing.assert_allclose(got, want, atol=PACKED_ATOL, rtol=0)
+    _only_job_1_fails(engine, jobs, alone, "injected head failure")
     monkeypatch.setattr(eng, "block_pieces", real)
 
     real_packed, real_hidden = engine.packed_hidden, engine.hidden
@@ -219,8 +215,12 @@ def test_a_failing_job_fails_alone_in_a_shared_pack_and_head_chunk(engine, monke
         return real_hidden(ids, positions)
     monkeypatch.setattr(engine, "packed_hidden", packed_hidden)
     monkeypatch.setattr(engine, "hidden", hidden)
+    _only_job_1_fails(engine, jobs, alone, "injected body failure")
+
+
+def _only_job_1_fails(engine, jobs, alone, message: str) -> None:
     out, errors = _collect(engine.batch_steps(jobs), len(jobs))
-    assert set(errors) == {1} and "injected body" in str(errors[1])
+    assert set(errors) == {1} and message in str(errors[1])
     for j in (0, 2):
         for got, want in zip(_assemble(out[j], jobs[j]), alone[j]):
             np.testing.assert_allclose(got, want, atol=PACKED_ATOL, rtol=0)
