@@ -253,14 +253,16 @@ def test_memory_budget_under_a_packed_body_refuses_to_start(dirs):
 
 
 # -- the attention function and the pack plan on their own ---------------------------------------------
-def _reference_attention(q, k, v, lengths, window=None):
-    """Per sequence, an explicit causal (sliding-window) softmax in float64. q: [1, H, N, D], k/v: [1, Hkv, N, D]."""
+def _reference_attention(q, k, v, lengths, window=None, softcap=None):
+    """Per sequence, an explicit causal (sliding-window, capped) softmax in float64. q: [1, H, N, D], k/v: [1, Hkv, N, D]."""
     H, Hkv = q.shape[1], k.shape[1]
     k, v = k.repeat_interleave(H // Hkv, dim=1), v.repeat_interleave(H // Hkv, dim=1)
     out, start = [], 0
     for n in lengths:
         qs, ks, vs = (t[0, :, start : start + n] for t in (q, k, v))           # [H, n, D]
         s = qs @ ks.transpose(-1, -2) / q.shape[-1] ** 0.5                     # [H, n, n]
+        if softcap:
+            s = torch.tanh(s / softcap) * softcap
         d = torch.arange(n)[:, None] - torch.arange(n)[None, :]
         visible = (d >= 0) & (d < (window or n + 1))
         s = s.masked_fill(~visible, float("-inf"))
@@ -269,8 +271,8 @@ def _reference_attention(q, k, v, lengths, window=None):
     return torch.cat(out)[None]                                                # [1, N, H, D]
 
 
-@pytest.mark.parametrize("window", [None, 4])
-def test_varlen_attention_equals_per_sequence_softmax(window):
+@pytest.mark.parametrize("window,softcap", [(None, None), (4, None), (None, 0.7), (4, 0.7)])
+def test_varlen_attention_equals_per_sequence_softmax(window, softcap):
     from logitserve.packing import packed_forward, varlen_attention_forward
 
     torch.manual_seed(0)
@@ -279,8 +281,8 @@ def test_varlen_attention_equals_per_sequence_softmax(window):
     q = torch.randn(1, 4, N, 8, dtype=torch.float64)
     k, v = torch.randn(1, 2, N, 8, dtype=torch.float64), torch.randn(1, 2, N, 8, dtype=torch.float64)
     with packed_forward(lengths, torch.device("cpu")):
-        got, _ = varlen_attention_forward(None, q, k, v, None, scaling=8 ** -0.5, sliding_window=window)
-    torch.testing.assert_close(got, _reference_attention(q, k, v, lengths, window), atol=1e-12, rtol=0)
+        got, _ = varlen_attention_forward(None, q, k, v, None, scaling=8 ** -0.5, sliding_window=window, softcap=softcap)
+    torch.testing.assert_close(got, _reference_attention(q, k, v, lengths, window, softcap), atol=1e-12, rtol=0)
     alone, _ = varlen_attention_forward(None, q[:, :, :1], k[:, :, :1], v[:, :, :1], None, scaling=8 ** -0.5)
     torch.testing.assert_close(alone, _reference_attention(q[:, :, :1], k[:, :, :1], v[:, :, :1], [1]))
 
@@ -293,3 +295,34 @@ def test_plan_packs_bounds_tokens_and_keeps_order():
     assert [[(m.job, m.sequence) for m in p.members] for p in packs] == [[(0, 0), (0, 1)], [(1, 0)], [(2, 0), (2, 1)]]
     assert [p.tokens for p in packs] == [12, 30, 7]          # a sequence over the bound packs alone
     assert [m.offset for m in packs[2].members] == [0, 3]
+
+
+def test_attention_sinks_are_refused_not_dropped():
+    from logitserve.packing import varlen_attention_forward
+
+    q = torch.zeros(1, 2, 3, 4)
+    with pytest.raises(NotImplementedError, match="--batching exact"):
+        varlen_attention_forward(None, q, q, q, None, s_aux=torch.zeros(2))
+
+
+def test_packed_gemma2_capped_scores_and_sliding_window_equal_reference(tmp_path):
+    """Gemma-2 attention: tanh-capped scores and sliding-window layers, packed, against float64 transformers."""
+    import transformers as tf
+
+    cfg = tf.Gemma2Config(vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=MAX_POS,
+                          sliding_window=8, attn_logit_softcapping=1.5, final_logit_softcapping=None,
+                          query_pre_attn_scalar=16, initializer_range=0.2, pad_token_id=0)
+    torch.manual_seed(8)
+    tf.Gemma2ForCausalLM(cfg).float().eval().save_pretrained(tmp_path, safe_serialization=True)
+    ref = Reference(tmp_path)
+    seqs = random_seqs(np.random.default_rng(78), [1, 5, 9, 40, 23], vocab=V)
+    server = serve_dir(tmp_path, chunk_size=16, batching="packed")
+    try:
+        got = _forward(server, seqs, logprobs=True, full_logits=True, vocab_range=(0, 64))
+    finally:
+        server.stop()
+    for j, seq in enumerate(seqs):
+        z = ref.logits(seq)
+        _close(got.logprobs[j], ref_token_logprobs(z, seq))
+        _close(got.full_logits[j], z[:, :64].numpy())

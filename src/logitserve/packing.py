@@ -111,7 +111,20 @@ def _window_mask(length: int, window: Optional[int], device) -> Optional[torch.T
     return (d >= 0) & (d < window)                                        # [L, L] key visible to query
 
 
-def _grouped_sdpa(query, key, value, lengths, scaling, window) -> torch.Tensor:
+def _softcapped(q, k, v, mask, scaling, softcap) -> torch.Tensor:
+    """Gemma-2-style attention with tanh-capped scores, as transformers' eager path. q: [g, H, n, D] -> same."""
+    groups = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    s = torch.matmul(q, k.transpose(-1, -2)) * (q.shape[-1] ** -0.5 if scaling is None else scaling)
+    s = torch.tanh(s / softcap) * softcap                                  # [g, H, n, n]
+    n = q.shape[2]
+    visible = mask if mask is not None else torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
+    s = s.masked_fill(~visible, float("-inf"))
+    p = torch.softmax(s, dim=-1, dtype=torch.promote_types(q.dtype, torch.float32))   # upcast, never down
+    return torch.matmul(p.to(q.dtype), v)
+
+
+def _grouped_sdpa(query, key, value, lengths, scaling, window, softcap=None) -> torch.Tensor:
     """query [1, H, N, D], key/value [1, Hkv, N, D] -> [1, N, H, D]: one sdpa per run of equal lengths, on views."""
     out = torch.empty(query.shape[0], query.shape[2], query.shape[1], query.shape[3],
                       dtype=query.dtype, device=query.device)              # [1, N, H, D]
@@ -122,8 +135,11 @@ def _grouped_sdpa(query, key, value, lengths, scaling, window) -> torch.Tensor:
         k = key[0, :, rows].unflatten(1, (g, n)).transpose(0, 1)            # [g, Hkv, n, D]
         v = value[0, :, rows].unflatten(1, (g, n)).transpose(0, 1)
         mask = _window_mask(n, window, query.device)
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and n > 1,
-                                           scale=scaling, enable_gqa=gqa)   # [g, H, n, D]
+        if softcap:
+            o = _softcapped(q, k, v, mask, scaling, softcap)                # [g, H, n, D]
+        else:
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and n > 1,
+                                               scale=scaling, enable_gqa=gqa)   # [g, H, n, D]
         out[0, rows] = o.transpose(1, 2).reshape(g * n, o.shape[1], o.shape[3])
     return out
 
@@ -141,13 +157,16 @@ def _flash_varlen(query, key, value, cu, max_len, scaling, window) -> torch.Tens
 
 
 def varlen_attention_forward(module, query, key, value, attention_mask, dropout: float = 0.0,
-                             scaling: Optional[float] = None, sliding_window: Optional[int] = None, **kwargs):
+                             scaling: Optional[float] = None, sliding_window: Optional[int] = None,
+                             softcap: Optional[float] = None, **kwargs):
     """query: [1, H, N, D], key/value: [1, Hkv, N, D] -> ([1, N, H, D], None), attending within each sequence."""
     if query.shape[0] != 1:
         raise RuntimeError(f"varlen attention takes one packed row, got batch {query.shape[0]}")
-    lengths = getattr(_state, "lengths", None) or (query.shape[2],)       # outside packed_forward: one sequence
-    if sum(lengths) != query.shape[2]:
-        raise RuntimeError(f"packed lengths sum to {sum(lengths)}, the row holds {query.shape[2]} tokens")
+    if kwargs.get("s_aux") is not None:   # attention sinks (gpt-oss): not implemented; never silently dropped
+        raise NotImplementedError("packed attention does not support attention sinks (s_aux): use --batching exact")
+    if softcap:   # Gemma-2-style capped scores: no flash kernel for them here
+        return _grouped_sdpa(query, key, value, _lengths(query), scaling, sliding_window, softcap), None
+    lengths = _lengths(query)
     global _flash_ok
     if _flash_ok and query.is_cuda and query.dtype in (torch.bfloat16, torch.float16):
         cu = getattr(_state, "cu", None)
@@ -159,6 +178,13 @@ def varlen_attention_forward(module, query, key, value, attention_mask, dropout:
             _flash_ok = False
             log.warning("varlen flash attention unavailable (%s); packed attention uses sdpa per length", e)
     return _grouped_sdpa(query, key, value, lengths, scaling, sliding_window), None
+
+
+def _lengths(query) -> tuple[int, ...]:
+    lengths = getattr(_state, "lengths", None) or (query.shape[2],)       # outside packed_forward: one sequence
+    if sum(lengths) != query.shape[2]:
+        raise RuntimeError(f"packed lengths sum to {sum(lengths)}, the row holds {query.shape[2]} tokens")
+    return lengths
 
 
 def register_varlen_attention() -> None:
