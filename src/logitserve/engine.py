@@ -123,6 +123,8 @@ class Engine:
                 z.add_(head.bias)
         else:   # reduced-precision models: the matmul in their dtype, upcast into the buffer
             z.copy_(F.linear(h, head.weight, head.bias))
+        if not self.loaded.transform.identity:   # softcapping / logit scale, in fp32, before temperature
+            self.loaded.transform.apply_(z)
         if temperature != 1.0:
             z.div_(temperature)
         if self.head_shard.pad_from < z.shape[-1]:

@@ -3,8 +3,9 @@ from __future__ import annotations
 
 import hashlib
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Optional
 
 import torch
 from torch import nn
@@ -14,8 +15,40 @@ from .spec import ModelKind, ModelLimits
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 
-# Heads that do more than a linear layer; serving them as if they did not would be silently wrong.
-_UNSUPPORTED_LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
+
+
+@dataclass(frozen=True)
+class HeadTransform:
+    """Elementwise maps transformers applies to a causal LM's logits after the lm_head, in its order.
+
+    Gemma 2/3: z = cap * tanh(z / cap) (final_logit_softcapping); Cohere: z = z * logit_scale;
+    Granite: z = z / logits_scaling. Elementwise, so exact on vocab-sharded logits.
+    """
+
+    multiply: float = 1.0                 # Cohere's logit_scale
+    divide: float = 1.0                   # Granite's logits_scaling
+    softcap: Optional[float] = None       # Gemma's final_logit_softcapping
+
+    @property
+    def identity(self) -> bool:
+        return self.multiply == 1.0 and self.divide == 1.0 and not self.softcap
+
+    def apply_(self, z: torch.Tensor) -> torch.Tensor:
+        """In place on fp32 logits [N, V/tp]."""
+        if self.multiply != 1.0:
+            z.mul_(self.multiply)
+        if self.divide != 1.0:
+            z.div_(self.divide)
+        if self.softcap:
+            z.div_(self.softcap).tanh_().mul_(self.softcap)
+        return z
+
+
+def head_transform_of(config) -> HeadTransform:
+    text = getattr(config, "text_config", None) or config
+    pick = lambda name, default: getattr(text, name, None) if getattr(text, name, None) is not None else default
+    return HeadTransform(multiply=float(pick("logit_scale", 1.0)), divide=float(pick("logits_scaling", 1.0)),
+                         softcap=pick("final_logit_softcapping", None))
 
 
 @dataclass(frozen=True)
@@ -33,6 +66,7 @@ class LoadedModel:
     max_seq_len: int
     dtype: torch.dtype
     num_labels: int           # reward models; 0 for causal LMs
+    transform: HeadTransform = field(default_factory=HeadTransform)   # causal LMs' post-head elementwise map
 
     @property
     def limits(self) -> ModelLimits:
@@ -69,10 +103,6 @@ def load_model(directory: str | os.PathLike, dtype: str = "fp32", max_seq_len: i
     if dtype not in DTYPES:
         raise ValueError(f"dtype {dtype!r}: choose one of {sorted(DTYPES)}")
     config = AutoConfig.from_pretrained(path, local_files_only=True)
-    for attr in _UNSUPPORTED_LOGIT_TRANSFORMS:
-        value = getattr(config, attr, None)
-        if value not in (None, 1, 1.0):
-            raise ValueError(f"config.{attr}={value}: logits that are not a plain linear head are not supported yet")
     kind = _kind_of(config)
     auto = AutoModelForCausalLM if kind is ModelKind.CAUSAL_LM else AutoModelForSequenceClassification
     model = auto.from_pretrained(path, dtype=DTYPES[dtype], local_files_only=True)
@@ -98,4 +128,5 @@ def load_model(directory: str | os.PathLike, dtype: str = "fp32", max_seq_len: i
         architecture=(config.architectures or [type(model).__name__])[0],
         vocab_size=int(vocab), max_seq_len=int(max_seq_len or model_max),
         dtype=DTYPES[dtype], num_labels=int(num_labels),
+        transform=head_transform_of(config) if kind is ModelKind.CAUSAL_LM else HeadTransform(),
     )

@@ -127,7 +127,7 @@ def _llama_like_plan():
 
 
 TP_PLANS = {"llama": _llama_like_plan, "qwen2": _llama_like_plan, "qwen3": _llama_like_plan,
-            "mistral": _llama_like_plan}
+            "mistral": _llama_like_plan, "granite": _llama_like_plan}
 
 
 def _check_divisible(config, tp: int) -> None:
