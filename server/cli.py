@@ -97,7 +97,14 @@ def _cmd_serve(args, argv: list[str]) -> int:
                           engine=EngineConfig(chunk_size=args.logprob_chunk_size, batching=Batching(args.batching),
                                               max_pack_tokens=args.max_batch_tokens), scheduler=scheduler)
     if under_torchrun():
-        return serve_rank(model, config, parallel)
+        code = serve_rank(model, config, parallel)
+        # The rank is done and its process groups destroyed; the interpreter's own teardown can still
+        # meet a joinable gloo thread and abort ("terminate called without an active exception",
+        # seen once in 2x2 at SIGTERM), so leave now with the rank's real exit code.
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
     import dataclasses
 
     return asyncio.run(serve(dataclasses.replace(model, device=args.device), config))
