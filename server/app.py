@@ -98,15 +98,15 @@ def memory_estimator(loaded: LoadedModel, config: ServerConfig, vocab_local: int
 
     dims = ModelDims.of(loaded.model.config, vocab_local, loaded.head.weight.element_size(), tp, cp)
     window = STREAM_WINDOW * config.max_message_bytes   # encoded messages a stream may hold
-    pack = pack_tokens    # tokens of a packed body (Engine.pack_tokens); 0 in exact mode
 
-    def estimate(job: Job) -> int:
-        return estimate_peak_bytes(job, dims, config.engine.chunk_size, config.scheduler.max_pending, window, pack)
+    def estimate(job: Job) -> int:   # pack_tokens: a packed body's tokens (Engine.pack_tokens), 0 in exact mode
+        return estimate_peak_bytes(job, dims, config.engine.chunk_size, config.scheduler.max_pending, window,
+                                   pack_tokens)
 
     budget = config.scheduler.memory_budget_bytes
     smallest = estimate(Job(sequences=(np.zeros(1, np.int32),), scores=True))
-    if budget is not None and pack and smallest > budget:
-        raise ValueError(f"--memory-budget {budget / 2**20:.0f} MiB is under a packed body of {pack} tokens "
+    if budget is not None and pack_tokens and smallest > budget:
+        raise ValueError(f"--memory-budget {budget / 2**20:.0f} MiB is under a packed body of {pack_tokens} tokens "
                          f"(~{smallest / 2**20:.0f} MiB; at most --max-batch-tokens): lower --max-batch-tokens "
                          f"or use --batching exact")
     return estimate
@@ -116,13 +116,13 @@ async def create_server(loaded: LoadedModel, config: ServerConfig, layout: Optio
                         run_batch=None, idle=None, estimate=None, batching: Optional[Batching] = None) -> Running:
     """Build and start a server for a loaded model; `run_batch`, `idle` and `batching` replace the local engine's."""
     layout = layout or single_process(str(loaded.head.weight.device))
+    pack_tokens = 0
     if run_batch is None:
         engine = Engine(loaded, config.engine)
-        batching = engine.batching
+        batching, pack_tokens = engine.batching, engine.pack_tokens
         run_batch = engine_batch_runner(engine.batch_steps)
-        estimate = estimate or memory_estimator(loaded, config, loaded.vocab_size, pack_tokens=engine.pack_tokens)
     batching = batching or config.engine.batching
-    estimate = estimate or memory_estimator(loaded, config, loaded.vocab_size)
+    estimate = estimate or memory_estimator(loaded, config, loaded.vocab_size, pack_tokens=pack_tokens)
     scheduler = Scheduler(run_batch, config.scheduler, estimate=estimate, idle=idle)
     info = codec.encode_model_info(loaded, layout, config.max_message_bytes, logitserve.__version__, batching)
     server = grpc.aio.server(options=[

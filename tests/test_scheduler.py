@@ -74,20 +74,23 @@ def batching_server(model_dirs):
     server.stop()
 
 
-def test_exact_mode_results_are_bitwise_identical_alone_and_batched(batching_server):
-    rng = np.random.default_rng(31)
-    requests = [_random_request(rng) for _ in range(40)]
-
-    async def concurrently():
-        clients = [AsyncTeacherClient(batching_server.address) for _ in range(8)]
+def _concurrently(server, requests: list[dict]) -> list:
+    """The requests from 8 streams at once, so that the scheduler batches them across streams."""
+    async def run():
+        clients = [AsyncTeacherClient(server.address) for _ in range(8)]
         try:
             return await asyncio.gather(*(clients[i % 8].forward(**r) for i, r in enumerate(requests)))
         finally:
             for c in clients:
                 await c.close()
+    return asyncio.run(run())
 
+
+def test_exact_mode_results_are_bitwise_identical_alone_and_batched(batching_server):
+    rng = np.random.default_rng(31)
+    requests = [_random_request(rng) for _ in range(40)]
     before = batching_server.running.scheduler.batches_run
-    batched = asyncio.run(concurrently())
+    batched = _concurrently(batching_server, requests)
     batches = batching_server.running.scheduler.batches_run - before
     assert batches < len(requests), "requests from several streams should have shared batches"
     with TeacherClient(batching_server.address) as c:
@@ -100,17 +103,9 @@ def test_packed_mode_batched_results_equal_alone_within_the_bound(model_dirs):
                        scheduler=SchedulerConfig(max_batch_tokens=2000, batch_delay_s=0.02))
     rng = np.random.default_rng(35)
     requests = [_random_request(rng) for _ in range(24)]
-
-    async def concurrently():
-        clients = [AsyncTeacherClient(server.address) for _ in range(8)]
-        try:
-            return await asyncio.gather(*(clients[i % 8].forward(**r) for i, r in enumerate(requests)))
-        finally:
-            for c in clients:
-                await c.close()
     try:
         before = server.running.scheduler.batches_run
-        batched = asyncio.run(concurrently())
+        batched = _concurrently(server, requests)
         assert server.running.scheduler.batches_run - before < len(requests)
         with TeacherClient(server.address) as c:
             for r, got in zip(requests, batched):

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 from .context_parallel import cp_forward, head_tail
 from .loading import LoadedModel
+from .memory import ModelDims
 from .outputs import HeadShard, Piece, Segment, block_pieces
 from .packing import (VARLEN_ATTENTION, Pack, cpu_pack_tokens, packed_forward, packed_positions, plan_packs,
                       register_varlen_attention)
@@ -88,10 +89,9 @@ class Engine:
             loaded.model.set_attn_implementation(VARLEN_ATTENTION)
             self.pack_tokens = config.max_pack_tokens
             if self.device.type == "cpu":
-                cfg = loaded.model.config
-                hidden = int(getattr(cfg, "hidden_size", 0) or getattr(cfg, "n_embd", 0))
-                inter = int(getattr(cfg, "intermediate_size", 0) or getattr(cfg, "n_inner", 0) or 4 * hidden)
-                self.pack_tokens = cpu_pack_tokens(hidden, inter, self.parallel.tp, config.max_pack_tokens)
+                dims = ModelDims.of(loaded.model.config, self.shard.size, loaded.head.weight.element_size(),
+                                    self.parallel.tp)
+                self.pack_tokens = cpu_pack_tokens(dims.hidden, dims.intermediate, config.max_pack_tokens)
 
     # -- the model ------------------------------------------------------------
     @torch.inference_mode()
@@ -161,10 +161,11 @@ class Engine:
     def _ids(self, seq) -> torch.Tensor:
         return torch.from_numpy(seq.astype("int64", copy=False)).to(self.device)                 # [L]
 
-    def _cands(self, job: Job) -> Optional[dict[int, torch.Tensor]]:
+    def _cands(self, job: Job, sequences) -> dict[int, torch.Tensor]:
+        """Candidate ids of these sequences of the job: sequence -> [L, c] (empty when the job asks for none)."""
         if job.candidates is None:
-            return None
-        return {i: torch.from_numpy(c.astype("int64", copy=False)).to(self.device) for i, c in enumerate(job.candidates)}
+            return {}
+        return {i: self._ids(job.candidates[i]) for i in sequences}
 
     # -- exact: one sequence at a time ------------------------------------------------
     def _sequence_steps(self, j: int, job: Job, i: int, ids: torch.Tensor) -> Iterator[Step]:
@@ -180,7 +181,7 @@ class Engine:
             holds_last = self.head_shard.emits_replicated and bool(last.any())
             yield Step((j,), tuple((j, piece) for piece in self._scores(h[last], [i])) if holds_last else ())
             return
-        cands = self._cands(job)
+        cands = self._cands(job, [i])
         chunk = self.config.chunk_size
         for run in runs:
             for c0 in range(0, run.length, chunk):
@@ -226,13 +227,12 @@ class Engine:
             by_job: dict[int, list[int]] = {}
             for r, m in enumerate(members):
                 by_job.setdefault(m.job, []).append(r)
-            pieces = []
-            for j, rows in by_job.items():
-                pieces += [(j, p) for p in self._scores(last[rows], [members[r].sequence for r in rows])] \
-                    if self.head_shard.emits_replicated else []
-            yield Step(tuple(by_job), tuple(pieces))
+            pieces = [(j, p) for j, rows in by_job.items()
+                      for p in self._scores(last[rows], [members[r].sequence for r in rows])]
+            yield Step(tuple(by_job), tuple(pieces) if self.head_shard.emits_replicated else ())
             return
-        cands = {j: self._cands(jobs[j]) for j in dict.fromkeys(m.job for m in members)}
+        cands = {j: self._cands(jobs[j], [m.sequence for m in members if m.job == j])
+                 for j in dict.fromkeys(m.job for m in members)}
         chunk = self.config.chunk_size
         for c0 in range(0, at, chunk):
             c1 = min(c0 + chunk, at)

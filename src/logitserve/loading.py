@@ -16,7 +16,6 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 
 
-
 @dataclass(frozen=True)
 class HeadTransform:
     """Elementwise maps transformers applies to a causal LM's logits after the lm_head, in its order.
@@ -45,10 +44,12 @@ class HeadTransform:
 
 
 def head_transform_of(config) -> HeadTransform:
+    """The post-head map a causal LM's config asks for (Gemma 3 keeps it in text_config)."""
     text = getattr(config, "text_config", None) or config
-    pick = lambda name, default: getattr(text, name, None) if getattr(text, name, None) is not None else default
-    return HeadTransform(multiply=float(pick("logit_scale", 1.0)), divide=float(pick("logits_scaling", 1.0)),
-                         softcap=pick("final_logit_softcapping", None))
+    scale, scaling = getattr(text, "logit_scale", None), getattr(text, "logits_scaling", None)
+    return HeadTransform(multiply=1.0 if scale is None else float(scale),
+                         divide=1.0 if scaling is None else float(scaling),
+                         softcap=getattr(text, "final_logit_softcapping", None))
 
 
 @dataclass(frozen=True)

@@ -62,12 +62,13 @@ def plan_packs(lengths: Sequence[tuple[int, int, int]], max_tokens: int) -> list
     return packs
 
 
-def cpu_pack_tokens(hidden: int, intermediate: int, tp: int, upper: int) -> int:
-    """Tokens per pack on CPU: the largest power of two whose widest activation ([n, intermediate/tp] fp32)
-    stays within half of glibc's largest mmap threshold, so tuned malloc reuses it (logitserve.hostmem)."""
+def cpu_pack_tokens(hidden: int, intermediate: int, upper: int) -> int:
+    """Tokens per pack on CPU: the largest power of two whose widest activation ([n, width] fp32; this rank's
+    intermediate width under TP) stays within half of glibc's largest mmap threshold, so tuned malloc reuses
+    it (logitserve.hostmem)."""
     from .hostmem import MMAP_THRESHOLD
 
-    width = max(intermediate // max(tp, 1), hidden, 1)
+    width = max(intermediate, hidden, 1)
     n = max(1, (MMAP_THRESHOLD // 2) // (4 * width))
     return max(1, min(upper, max(256, 1 << (n.bit_length() - 1))))
 
@@ -164,11 +165,9 @@ def varlen_attention_forward(module, query, key, value, attention_mask, dropout:
         raise RuntimeError(f"varlen attention takes one packed row, got batch {query.shape[0]}")
     if kwargs.get("s_aux") is not None:   # attention sinks (gpt-oss): not implemented; never silently dropped
         raise NotImplementedError("packed attention does not support attention sinks (s_aux): use --batching exact")
-    if softcap:   # Gemma-2-style capped scores: no flash kernel for them here
-        return _grouped_sdpa(query, key, value, _lengths(query), scaling, sliding_window, softcap), None
     lengths = _lengths(query)
-    global _flash_ok
-    if _flash_ok and query.is_cuda and query.dtype in (torch.bfloat16, torch.float16):
+    global _flash_ok   # capped scores (softcap) have no flash kernel here: they always take the sdpa-per-run path
+    if not softcap and _flash_ok and query.is_cuda and query.dtype in (torch.bfloat16, torch.float16):
         cu = getattr(_state, "cu", None)
         if cu is None:
             cu = torch.tensor([0, query.shape[2]], dtype=torch.int32, device=query.device)
@@ -177,7 +176,7 @@ def varlen_attention_forward(module, query, key, value, attention_mask, dropout:
         except (RuntimeError, ImportError, NotImplementedError) as e:   # no flash kernel for this GPU or build
             _flash_ok = False
             log.warning("varlen flash attention unavailable (%s); packed attention uses sdpa per length", e)
-    return _grouped_sdpa(query, key, value, lengths, scaling, sliding_window), None
+    return _grouped_sdpa(query, key, value, lengths, scaling, sliding_window, softcap), None
 
 
 def _lengths(query) -> tuple[int, ...]:
