@@ -39,8 +39,8 @@ def _rank(rank: int, port: int, out) -> None:
         "kept_finite": torch.isfinite(kept).sum(-1, keepdim=True),
     }
     dist.all_reduce(res["kept_finite"], group=dist.group.WORLD)
-    if rank == 0:
-        out.put({k: (tuple(x) if isinstance(x, tuple) else x) for k, x in res.items()})
+    if rank == 0:   # numpy pickles by value; a torch tensor would travel as a shared fd that dies with this process
+        out.put({k: (tuple(t.numpy() for t in x) if isinstance(x, tuple) else x.numpy()) for k, x in res.items()})
     dist.destroy_process_group()
 
 
@@ -53,7 +53,8 @@ def test_vocab_parallel_reductions_match_full_tensor_under_tp2():
     procs = [ctx.Process(target=_rank, args=(r, port, out)) for r in range(TP)]
     for p in procs:
         p.start()
-    got = out.get(timeout=120)
+    got = {k: (tuple(map(torch.from_numpy, x)) if isinstance(x, tuple) else torch.from_numpy(x))
+           for k, x in out.get(timeout=120).items()}
     for p in procs:
         p.join(60)
         assert p.exitcode == 0
