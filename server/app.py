@@ -5,6 +5,7 @@ import asyncio
 import logging
 import signal
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Optional
 
 import grpc
@@ -15,7 +16,7 @@ from grpc_health.v1.health import aio as health_aio
 import logitserve
 from logitserve.engine import Batching, Engine, EngineConfig
 from logitserve.layout import Layout, single_process
-from logitserve.loading import LoadedModel, load_model
+from logitserve.loading import LoadedModel, content_hash, load_model
 from logitserve.parallel import ParallelConfig
 from logitserve.v1 import logitserve_pb2_grpc as pb_grpc
 
@@ -56,12 +57,18 @@ class ServerConfig:
             raise ValueError(f"max_message_bytes={self.max_message_bytes} must be >= {64 << 10}")
 
 
-def load(model: ModelConfig) -> LoadedModel:
+def _source(model: ModelConfig) -> tuple[Path, Optional[str]]:
     from logitserve.demo import demo_dir
 
-    path = model.path or demo_dir(model.demo, model.demo_shape)
+    if model.path:
+        return Path(model.path), None
     shape = "" if model.demo_shape == "demo" else f"-{model.demo_shape}"
-    name = None if model.path else f"logitserve-demo-{model.demo}{shape}"
+    return demo_dir(model.demo, model.demo_shape), f"logitserve-demo-{model.demo}{shape}"
+
+
+def load(model: ModelConfig) -> LoadedModel:
+    """The whole model, in one process."""
+    path, name = _source(model)
     loaded = load_model(path, dtype=model.dtype, max_seq_len=model.max_seq_len, name=name)
     if model.device != "cpu":
         import torch
@@ -69,6 +76,21 @@ def load(model: ModelConfig) -> LoadedModel:
         if model.device == "cuda" or torch.cuda.is_available():
             loaded.model.to("cuda")
     return loaded
+
+
+def load_rank(model: ModelConfig, ctx) -> tuple:
+    """This rank's model: its TP shards read straight from disk, or the whole model at tp = 1."""
+    from logitserve.parallel import apply_parallelism, hook_cp
+    from logitserve.shard_load import load_sharded
+
+    if ctx.tp == 1:
+        return apply_parallelism(load(model), ctx)
+    path, name = _source(model)
+    content = content_hash(path) if ctx.is_root else ""      # only rank 0 reports it
+    loaded, shard = load_sharded(path, model.dtype, ctx.device, ctx.tp_rank, ctx.tp, ctx.tp_group,
+                                 max_seq_len=model.max_seq_len, name=name, content=content)
+    hook_cp(loaded, ctx)
+    return loaded, shard
 
 
 @dataclass
@@ -177,11 +199,11 @@ def serve_rank(model: ModelConfig, config: ServerConfig, parallel: ParallelConfi
     import torch.distributed as dist
 
     from logitserve.distributed import follow
-    from logitserve.parallel import apply_parallelism, gather_layout, init_parallel
+    from logitserve.parallel import gather_layout, init_parallel
 
     ctx = init_parallel(parallel)
     try:
-        loaded, shard = apply_parallelism(load(model), ctx)
+        loaded, shard = load_rank(model, ctx)
         engine = Engine(loaded, config.engine, shard, ctx)
         layout = gather_layout(ctx)
         if not ctx.is_root:

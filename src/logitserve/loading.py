@@ -68,6 +68,7 @@ class LoadedModel:
     dtype: torch.dtype
     num_labels: int           # reward models; 0 for causal LMs
     transform: HeadTransform = field(default_factory=HeadTransform)   # causal LMs' post-head elementwise map
+    plan_source: str = ""     # where the TP plan came from: transformers, logitserve, both; "" at tp = 1
 
     @property
     def limits(self) -> ModelLimits:
@@ -95,39 +96,53 @@ def _kind_of(config) -> ModelKind:
     raise ValueError(f"config.architectures={archs}: need a *ForCausalLM or *ForSequenceClassification model")
 
 
-def load_model(directory: str | os.PathLike, dtype: str = "fp32", max_seq_len: int | None = None,
-               name: str | None = None) -> LoadedModel:
-    """Load a local model directory with transformers, never touching the network."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
+def model_class(config):
+    """The transformers auto class for this config's kind."""
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
-    path = Path(directory)
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype {dtype!r}: choose one of {sorted(DTYPES)}")
-    config = AutoConfig.from_pretrained(path, local_files_only=True)
-    kind = _kind_of(config)
-    auto = AutoModelForCausalLM if kind is ModelKind.CAUSAL_LM else AutoModelForSequenceClassification
-    model = auto.from_pretrained(path, dtype=DTYPES[dtype], local_files_only=True)
-    model.eval()
-    model.requires_grad_(False)
+    return AutoModelForCausalLM if _kind_of(config) is ModelKind.CAUSAL_LM else AutoModelForSequenceClassification
 
+
+def find_head(model, kind: ModelKind) -> nn.Module:
     if kind is ModelKind.CAUSAL_LM:
-        head = model.get_output_embeddings()
-        vocab = head.out_features
-        num_labels = 0
-    else:
-        head = getattr(model, "score", None) or getattr(model, "classifier", None)
-        vocab = model.get_input_embeddings().num_embeddings
-        num_labels = head.out_features
+        return model.get_output_embeddings()
+    return getattr(model, "score", None) or getattr(model, "classifier", None)
+
+
+def describe(model, config, path: Path, dtype: str, max_seq_len: int | None, name: str | None,
+             head: nn.Module | None = None, content: str | None = None, vocab: int | None = None) -> LoadedModel:
+    """A LoadedModel for a built model (whole, or this rank's shards with `head` its vocab shard)."""
+    kind = _kind_of(config)
+    head = head if head is not None else find_head(model, kind)
     if not isinstance(head, nn.Linear):
         raise ValueError(f"{type(model).__name__}: the head is {type(head).__name__}, expected a Linear layer")
+    if kind is ModelKind.CAUSAL_LM:
+        vocab, num_labels = vocab or model.get_output_embeddings().out_features, 0
+    else:
+        vocab, num_labels = model.get_input_embeddings().num_embeddings, head.out_features
     model_max = int(getattr(config, "max_position_embeddings", 0) or 0) or 1 << 20
     if max_seq_len is not None and max_seq_len > model_max:
         raise ValueError(f"max_seq_len {max_seq_len} is over the model's max_position_embeddings {model_max}")
     return LoadedModel(
         model=model, body=model.base_model, head=head, kind=kind,
-        name=name or path.resolve().name, content_hash=content_hash(path),
+        name=name or path.resolve().name, content_hash=content if content is not None else content_hash(path),
         architecture=(config.architectures or [type(model).__name__])[0],
         vocab_size=int(vocab), max_seq_len=int(max_seq_len or model_max),
         dtype=DTYPES[dtype], num_labels=int(num_labels),
         transform=head_transform_of(config) if kind is ModelKind.CAUSAL_LM else HeadTransform(),
     )
+
+
+def load_model(directory: str | os.PathLike, dtype: str = "fp32", max_seq_len: int | None = None,
+               name: str | None = None) -> LoadedModel:
+    """Load a whole local model directory with transformers, never touching the network."""
+    from transformers import AutoConfig
+
+    path = Path(directory)
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype {dtype!r}: choose one of {sorted(DTYPES)}")
+    config = AutoConfig.from_pretrained(path, local_files_only=True)
+    model = model_class(config).from_pretrained(path, dtype=DTYPES[dtype], local_files_only=True)
+    model.eval()
+    model.requires_grad_(False)
+    return describe(model, config, path, dtype, max_seq_len, name)

@@ -1,15 +1,13 @@
 """Tensor/context-parallel set-up: process groups with timeouts, and TP as a pass over a loaded model.
 
 Rank layout: rank = cp_rank * tp + tp_rank (TP ranks adjacent, so a TP group
-stays inside a node). The TP plan is data, per model_type; the lm_head is
-sliced column-parallel by hand so logits stay vocab-sharded [N, V/tp], padded
-with columns that the engine masks to -inf when tp does not divide V.
+stays inside a node). Under TP each rank loads only its shards (shard_load, with
+the plan from tp_plan); logits stay vocab-sharded [N, V/tp], padded with columns
+that the engine masks to -inf when tp does not divide V.
 """
 from __future__ import annotations
 
-import dataclasses
 import datetime
-import math
 import os
 import socket
 from dataclasses import dataclass
@@ -17,7 +15,6 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from .layout import Layout, RankPlace
 from .loading import LoadedModel
@@ -111,69 +108,22 @@ def gather_layout(ctx: ParallelContext) -> Layout:
     return Layout(ctx.tp, ctx.cp, tuple(places))
 
 
-# --- TP plans: module path patterns -> style, per transformers model_type ----------------
-def _llama_like_plan():
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
-
-    return {
-        "layers.*.self_attn.q_proj": ColwiseParallel(),
-        "layers.*.self_attn.k_proj": ColwiseParallel(),
-        "layers.*.self_attn.v_proj": ColwiseParallel(),
-        "layers.*.self_attn.o_proj": RowwiseParallel(),
-        "layers.*.mlp.gate_proj": ColwiseParallel(),
-        "layers.*.mlp.up_proj": ColwiseParallel(),
-        "layers.*.mlp.down_proj": RowwiseParallel(),
-    }
-
-
-TP_PLANS = {"llama": _llama_like_plan, "qwen2": _llama_like_plan, "qwen3": _llama_like_plan,
-            "mistral": _llama_like_plan, "granite": _llama_like_plan}
-
-
-def _check_divisible(config, tp: int) -> None:
-    for name in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
-        value = getattr(config, name, None)
-        if value is not None and value % tp:
-            raise ValueError(f"config.{name}={value} does not divide by tp={tp}")
-
-
-def shard_head(head: nn.Linear, ctx: ParallelContext, vocab_size: int) -> tuple[nn.Linear, VocabShard]:
-    """Column-parallel lm_head: rows [r*ceil(V/tp), (r+1)*ceil(V/tp)) of W, zero-padded past V."""
-    local = math.ceil(vocab_size / ctx.tp)
-    start = ctx.tp_rank * local
-    weight = torch.zeros(local, head.in_features, dtype=head.weight.dtype, device=head.weight.device)
-    real = max(0, min(vocab_size, start + local) - start)
-    weight[:real] = head.weight[start : start + real]
-    sharded = nn.Linear(head.in_features, local, bias=head.bias is not None, device=weight.device, dtype=weight.dtype)
-    sharded.weight = nn.Parameter(weight, requires_grad=False)
-    if head.bias is not None:
-        bias = torch.zeros(local, dtype=head.bias.dtype, device=head.bias.device)
-        bias[:real] = head.bias[start : start + real]
-        sharded.bias = nn.Parameter(bias, requires_grad=False)
-    return sharded, VocabShard(start=start, size=local, vocab_size=vocab_size, group=ctx.tp_group)
-
-
 def apply_parallelism(loaded: LoadedModel, ctx: ParallelContext) -> tuple[LoadedModel, VocabShard]:
-    """The pass over a loaded model: move to the device, shard the body (TP) and the head, hook CP attention."""
-    from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.tensor.parallel import parallelize_module
+    """The pass over a whole loaded model (tp = 1): move it to the device and hook CP attention.
 
-    from .context_parallel import CP_ATTENTION, register_cp_attention
-    from .spec import ModelKind
-
-    loaded.model.to(ctx.device)
-    shard = full_vocab(loaded.vocab_size)
-    head = loaded.head
+    Under TP each rank builds only its shards instead (`shard_load.load_sharded`), then `hook_cp`.
+    """
     if ctx.tp > 1:
-        model_type = loaded.model.config.model_type
-        if model_type not in TP_PLANS:
-            raise ValueError(f"no TP plan for model_type {model_type!r}; known: {sorted(TP_PLANS)}")
-        _check_divisible(loaded.model.config, ctx.tp)
-        mesh = DeviceMesh.from_group(ctx.tp_group, ctx.device.type)
-        parallelize_module(loaded.body, mesh, TP_PLANS[model_type]())
-        if loaded.kind is ModelKind.CAUSAL_LM:
-            head, shard = shard_head(loaded.head, ctx, loaded.vocab_size)
+        raise ValueError("tp > 1 loads shards with shard_load.load_sharded, not a whole model")
+    loaded.model.to(ctx.device)
+    hook_cp(loaded, ctx)
+    return loaded, full_vocab(loaded.vocab_size)
+
+
+def hook_cp(loaded: LoadedModel, ctx: ParallelContext) -> None:
+    """Under CP, attention all-gathers K/V over the CP group (context_parallel)."""
+    from .context_parallel import CP_ATTENTION, register_cp_attention
+
     if ctx.cp > 1:
         register_cp_attention()
         loaded.model.set_attn_implementation(CP_ATTENTION)
-    return dataclasses.replace(loaded, head=head), shard

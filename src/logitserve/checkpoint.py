@@ -1,0 +1,150 @@
+"""Reads one rank's slices of a safetensors checkpoint, a tensor at a time, through transformers' key conversions.
+
+Each read opens the file, copies out only the rows or columns this rank holds and
+closes it again, so a rank's resident memory while loading is its shards plus the
+pages of one tensor (a file mapped for the whole load would keep every touched page).
+Checkpoint keys are mapped to the model's parameters by transformers' own renamings and
+converters (`conversion_mapping`), e.g. Mixtral's per-expert `w1/w3/w2` into the fused
+`experts.gate_up_proj [E, 2I, H]`; a converter other than stack-experts-then-concatenate
+is refused by name.
+"""
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import torch
+from safetensors import safe_open
+
+from .tp_plan import ParamShard
+
+
+@dataclass
+class Source:
+    """Where one model parameter comes from: one key, or a converter's per-expert keys."""
+
+    keys: list[tuple[int, int, str]] = field(default_factory=list)   # (expert or -1, part, checkpoint key)
+    merge: bool = False             # stack the experts on a new dim 0 (MergeModulelist(dim=0))
+    concat_dim: Optional[int] = None   # then concatenate the parts on this dim of the result
+
+
+def _chunk(n: int, rank: int, tp: int, what: str) -> slice:
+    if n % tp:
+        raise ValueError(f"{what}: size {n} does not divide by tp={tp}")
+    size = n // tp
+    return slice(rank * size, (rank + 1) * size)
+
+
+class Checkpoint:
+    """A directory's safetensors files: key -> file, and sliced reads."""
+
+    def __init__(self, directory: Path):
+        self.directory = Path(directory)
+        index = self.directory / "model.safetensors.index.json"
+        if index.exists():
+            weight_map = json.loads(index.read_text())["weight_map"]
+            self.files = {k: self.directory / f for k, f in weight_map.items()}
+        else:
+            self.files = {}
+            for f in sorted(self.directory.glob("*.safetensors")):
+                with safe_open(f, framework="pt") as h:
+                    self.files.update({k: f for k in h.keys()})
+        if not self.files:
+            raise ValueError(f"{self.directory}: no safetensors weights (sharded loading reads safetensors only)")
+
+    def sources(self, model) -> dict[str, Source]:
+        """Model parameter or buffer name -> its Source, through transformers' conversions where it has them."""
+        renamings, converters = _conversions(model)
+        meta = dict(model.state_dict(keep_vars=True))
+        out: dict[str, Source] = {}
+        for key in sorted(self.files):
+            target, pattern = _rename(key, renamings, converters, model.base_model_prefix, meta)
+            if target not in meta:
+                continue                               # unexpected key (e.g. a rotary buffer saved by old code)
+            src = out.setdefault(target, Source())
+            if pattern is None:
+                src.keys.append((-1, 0, key))
+                continue
+            conv = converters[pattern]
+            ops = [type(op).__name__ for op in conv.operations]
+            if ops not in (["MergeModulelist"], ["MergeModulelist", "Concatenate"]) \
+                    or conv.operations[0].dim != 0:
+                raise ValueError(f"{target}: checkpoint conversion {ops} is not supported by sharded loading")
+            expert = int(re.search(pattern.replace(".", r"\.").replace("*", r"(\d+)"), key).group(1))
+            src.merge = True
+            src.concat_dim = conv.operations[1].dim if len(ops) == 2 else None
+            src.keys.append((expert, conv.source_patterns.index(pattern), key))
+        return out
+
+    def _read(self, key: str, shard: Optional[ParamShard], rank: int, tp: int, dim_shift: int = 0,
+              rows: Optional[slice] = None) -> torch.Tensor:
+        with safe_open(self.files[key], framework="pt") as h:
+            sl = h.get_slice(key)
+            shape = sl.get_shape()
+            index = [slice(None)] * len(shape)
+            if rows is not None:
+                index[0] = rows
+                return sl[tuple(index)]
+            if shard is None:
+                return sl[tuple(index)]
+            dim = shard.dim - dim_shift
+            part = shape[dim] // shard.parts
+            pieces = []
+            for p in range(shard.parts):                # fused gate|up: this rank's rows of each part
+                local = _chunk(part, rank, tp, f"{key} dim {dim}")
+                index[dim] = slice(p * part + local.start, p * part + local.stop)
+                pieces.append(sl[tuple(index)])
+            return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim)
+
+    def read(self, name: str, src: Source, shard: Optional[ParamShard], rank: int, tp: int) -> torch.Tensor:
+        """This rank's part of parameter `name` (the whole of it when `shard` is None)."""
+        if not src.merge:
+            if len(src.keys) != 1:
+                raise ValueError(f"{name}: {len(src.keys)} checkpoint keys map to it")
+            return self._read(src.keys[0][2], shard, rank, tp)
+        experts = sorted({e for e, _, _ in src.keys})
+        by = {(e, p): k for e, p, k in src.keys}
+        parts = sorted({p for _, p, _ in src.keys})
+        stacked = []
+        for e in experts:
+            if src.concat_dim is None:
+                stacked.append(self._read(by[e, 0], shard, rank, tp, dim_shift=1))
+                continue
+            # the packed dim is the concatenation: each part gives this rank's chunk of itself
+            each = None if shard is None else ParamShard(shard.dim, 1)
+            if shard is not None and shard.dim == src.concat_dim and shard.parts not in (1, len(parts)):
+                raise ValueError(f"{name}: {shard.parts} packed parts but the checkpoint has {len(parts)}")
+            if shard is not None and shard.dim != src.concat_dim and shard.parts != 1:
+                raise ValueError(f"{name}: packed split on dim {shard.dim}, parts concatenated on {src.concat_dim}")
+            stacked.append(torch.cat([self._read(by[e, p], each, rank, tp, dim_shift=1) for p in parts],
+                                     src.concat_dim - 1))
+        return torch.stack(stacked, 0)
+
+    def read_rows(self, key: str, start: int, stop: int) -> torch.Tensor:
+        """Rows [start, stop) of a 2-D tensor (the lm_head's vocab shard)."""
+        return self._read(key, None, 0, 1, rows=slice(start, stop))
+
+
+def _conversions(model):
+    """transformers' renamings and converters for this model ({} on versions without them)."""
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightConverter
+    except ImportError:
+        return [], {}
+    mapping = get_model_conversion_mapping(model)
+    renamings = [m for m in mapping if not isinstance(m, WeightConverter)]
+    converters = {p: m for m in mapping if isinstance(m, WeightConverter) for p in m.source_patterns}
+    return renamings, converters
+
+
+def _rename(key: str, renamings, converters, prefix: str, meta: dict) -> tuple[str, Optional[str]]:
+    try:
+        from transformers.core_model_loading import rename_source_key
+    except ImportError:
+        return key, None
+    unique = list({id(c): c for c in converters.values()}.values())
+    return rename_source_key(key, renamings, unique, prefix, meta)

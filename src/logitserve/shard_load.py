@@ -1,0 +1,142 @@
+"""Builds this rank's part of a model: a skeleton on the meta device, then only its own slices from disk.
+
+The skeleton comes from transformers (`from_config` with parameters on meta and real
+buffers, so rotary tables are computed as usual). Each parameter is then read from the
+checkpoint already split by the TP plan (`tp_plan.expand`), in the serving dtype, and
+put on the device one at a time; the lm_head is read as this rank's padded vocab shard.
+A rank's peak host memory is therefore its shards plus one tensor, never the checkpoint.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from .checkpoint import Checkpoint
+from .loading import DTYPES, LoadedModel, _kind_of, describe, find_head, model_class
+from .spec import ModelKind
+from .tp_forward import install
+from .tp_plan import Plan, check_layout, expand, resolve_plan
+from .vocab_parallel import VocabShard
+
+log = logging.getLogger("logitserve.shard_load")
+
+
+def peak_rss_mib() -> float:
+    """This process's peak resident set (VmHWM) in MiB; 0 where /proc is missing."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return 0.0
+
+
+def _skeleton(config, dtype: torch.dtype) -> nn.Module:
+    from accelerate import init_empty_weights
+
+    with init_empty_weights(include_buffers=False):
+        model = model_class(config).from_config(config, dtype=dtype)
+    return model.eval().requires_grad_(False)
+
+
+def _set(model: nn.Module, name: str, value: torch.Tensor, is_param: bool) -> None:
+    owner, _, leaf = name.rpartition(".")
+    module = model.get_submodule(owner)
+    if is_param:
+        module._parameters[leaf] = nn.Parameter(value, requires_grad=False)
+    else:
+        module._buffers[leaf] = value
+
+
+def _vocab_head(ckpt: Checkpoint, key: str, vocab: int, hidden: int, dtype, device, rank: int,
+                tp: int, group) -> tuple[nn.Linear, VocabShard]:
+    """Rows [r*ceil(V/tp), ...) of the lm_head, zero-padded past V: logits stay vocab-sharded [N, V/tp]."""
+    local = math.ceil(vocab / tp)
+    start = rank * local
+    real = max(0, min(vocab, start + local) - start)
+    weight = torch.zeros(local, hidden, dtype=dtype, device=device)
+    if real:
+        weight[:real] = ckpt.read_rows(key, start, start + real).to(device=device, dtype=dtype)
+    head = nn.Linear(hidden, local, bias=False, device="meta")
+    head.weight = nn.Parameter(weight, requires_grad=False)
+    return head, VocabShard(start=start, size=local, vocab_size=vocab, group=group)
+
+
+def load_sharded(directory, dtype: str, device: torch.device, rank: int, tp: int, group,
+                 max_seq_len: int | None = None, name: str | None = None,
+                 content: str | None = None) -> tuple[LoadedModel, VocabShard]:
+    """This TP rank's model: body shards with their collectives on `group`, and its lm_head vocab shard."""
+    from transformers import AutoConfig
+
+    t0 = time.perf_counter()
+    path = Path(directory)
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype {dtype!r}: choose one of {sorted(DTYPES)}")
+    config = AutoConfig.from_pretrained(path, local_files_only=True)
+    kind = _kind_of(config)
+    check_layout(config, tp)
+    plan = resolve_plan(config) if tp > 1 else Plan((), "")
+    model = _skeleton(config, DTYPES[dtype])
+    body = model.base_model
+    prefix = next(n for n, m in model.named_modules() if m is body)
+    prefix = prefix + "." if prefix else ""
+    expanded = expand(plan, body)
+    if expanded.unused and rank == 0:
+        log.info("TP plan rules matching nothing in this model: %s", ", ".join(expanded.unused))
+
+    ckpt = Checkpoint(path)
+    sources = ckpt.sources(model)
+    head_param = find_head(model, kind).weight if kind is ModelKind.CAUSAL_LM else None
+    tied = head_param is not None and head_param is model.get_input_embeddings().weight
+    fp32_keep = tuple(getattr(model, "_keep_in_fp32_modules", None) or ())
+    missing = []
+    for pname, p in list(model.named_parameters()):
+        if p is head_param and not tied:
+            continue                      # read below as this rank's vocab shard
+        if pname not in sources:
+            missing.append(pname)
+            continue
+        shard = expanded.params.get(pname[len(prefix):]) if pname.startswith(prefix) else None
+        want = torch.float32 if any(k in pname for k in fp32_keep) else DTYPES[dtype]
+        _set(model, pname, ckpt.read(pname, sources[pname], shard, rank, tp).to(device=device, dtype=want, copy=True), True)
+    if missing:
+        raise ValueError(f"{path}: no checkpoint tensor for {len(missing)} parameters, e.g. {missing[:4]}")
+    for bname, b in list(model.named_buffers()):
+        if bname in sources:              # persistent buffers saved with the weights
+            _set(model, bname, ckpt.read(bname, sources[bname], None, rank, tp).to(device=device, dtype=b.dtype),
+                 False)
+    for mname, style in expanded.modules.items():
+        install(body.get_submodule(mname), style, group, rank, tp)
+
+    vocab = shard_head = None
+    vshard = VocabShard(0, 0, 0, None)
+    if kind is ModelKind.CAUSAL_LM:
+        names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
+        emb = model.get_input_embeddings().weight                  # loaded above: [V, H]
+        head_name = f"{_head_attr(model)}.weight"
+        key_name = head_name if head_name in sources and not tied else names[id(emb)]
+        vocab = int(find_head(model, kind).out_features)
+        shard_head, vshard = _vocab_head(ckpt, sources[key_name].keys[0][2], vocab, emb.shape[1], DTYPES[dtype],
+                                         device, rank, tp, group if tp > 1 else None)
+        setattr(model, _head_attr(model), shard_head)
+    model.to(device)                      # the buffers built on the host (rotary tables)
+    loaded = describe(model, config, path, dtype, max_seq_len, name, head=shard_head, content=content,
+                      vocab=vocab)
+    if kind is not ModelKind.CAUSAL_LM:
+        vshard = VocabShard(0, loaded.vocab_size, loaded.vocab_size, None)
+    log.info("rank %d loaded its shards (tp=%d, plan from %s) in %.1f s; peak RSS %.0f MiB",
+             rank, tp, plan.source or "-", time.perf_counter() - t0, peak_rss_mib())
+    return dataclasses.replace(loaded, plan_source=plan.source), vshard
+
+
+def _head_attr(model: nn.Module) -> str:
+    head = model.get_output_embeddings()
+    return next(n for n, m in model.named_children() if m is head)
