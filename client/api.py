@@ -24,6 +24,7 @@ class ModelInfo:
     server_version: str
     ranks: tuple              # ({rank, tp_rank, cp_rank, host, device}, ...)
     batching: str = "unknown"  # "exact" | "packed": how the server runs a batch through the body
+    tp_plan_source: str = ""   # "transformers" | "logitserve" | "transformers+logitserve"; "" at tp 1
 
 
 class OutputsMixin:
@@ -86,7 +87,7 @@ def model_info_of(msg) -> ModelInfo:
                   for r in msg.ranks)
     return ModelInfo(msg.name, msg.content_hash, msg.architecture, kind, msg.vocab_size, msg.max_sequence_length,
                      msg.dtype, msg.tp_size, msg.cp_size, msg.world_size, msg.num_labels, msg.max_message_bytes,
-                     msg.server_version, ranks, batching_name(msg.batching))
+                     msg.server_version, ranks, batching_name(msg.batching), msg.tp_plan_source)
 
 
 def batching_name(value: int) -> str:

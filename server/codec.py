@@ -135,4 +135,4 @@ def encode_model_info(loaded, layout, max_message_bytes: int, version: str, batc
         ranks=[pb.RankInfo(rank=r.rank, tp_rank=r.tp_rank, cp_rank=r.cp_rank, host=r.host, device=r.device)
                for r in layout.ranks],
         num_labels=loaded.num_labels, max_message_bytes=max_message_bytes, server_version=version,
-        batching=encode_batching(batching))
+        batching=encode_batching(batching), tp_plan_source=loaded.plan_source)

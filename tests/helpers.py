@@ -48,7 +48,9 @@ class Reference:
         cfg = tf.AutoConfig.from_pretrained(directory)
         auto = (tf.AutoModelForSequenceClassification
                 if cfg.architectures[0].endswith("ForSequenceClassification") else tf.AutoModelForCausalLM)
-        self.model = auto.from_pretrained(directory, dtype=torch.float64).eval()
+        moe = getattr(cfg, "num_local_experts", None) or getattr(cfg, "num_experts", None)
+        extra = dict(experts_implementation="eager") if moe else {}     # grouped_mm has no float64 kernel
+        self.model = auto.from_pretrained(directory, dtype=torch.float64, **extra).eval()
         self.fp32 = auto.from_pretrained(directory, dtype=torch.float32).eval()
 
     @torch.no_grad()

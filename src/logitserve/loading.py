@@ -82,7 +82,7 @@ def content_hash(directory: Path) -> str:
     for f in files:
         h.update(f.name.encode())
         with open(f, "rb") as fh:
-            while block := fh.read(1 << 23):
+            while block := fh.read(1 << 20):
                 h.update(block)
     return "blake2b:" + h.hexdigest()
 

@@ -1,0 +1,118 @@
+"""The architecture matrix: small models of each family served at TP 1 and TP 2 (sharded loading, the plan from
+transformers' base_model_tp_plan or ours) against float64 transformers on the whole model."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import CliServer, serve_dir
+from helpers import Reference, random_seqs, ref_token_logprobs
+from logitserve.client import TeacherClient
+from test_outputs import _close, _separated
+
+V = 1003
+BASE = dict(vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.1, pad_token_id=0,
+            tie_word_embeddings=False)
+MOE = dict(num_experts_per_tok=2)
+# arch -> (config class, causal class, reward class, extra config, plan source at tp 2)
+ARCHS = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", "LlamaForSequenceClassification", {}, "transformers"),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", "Qwen2ForSequenceClassification", {}, "transformers"),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", "Qwen3ForSequenceClassification", dict(head_dim=16),
+              "transformers"),
+    "mistral": ("MistralConfig", "MistralForCausalLM", None, dict(sliding_window=24), "transformers"),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", None,          # softcapped logits and attention scores
+               dict(head_dim=16, final_logit_softcapping=3.0, attn_logit_softcapping=20.0,
+                    query_pre_attn_scalar=16, sliding_window=24), "transformers"),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", None, {}, "transformers+logitserve"),     # fused qkv and gate_up
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", "MixtralForSequenceClassification",
+                dict(num_local_experts=4, **MOE), "transformers"),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", None,
+                  dict(head_dim=16, num_experts=4, moe_intermediate_size=32, decoder_sparse_step=1, **MOE),
+                  "transformers"),
+}
+TP2 = list(ARCHS)
+REWARD = ["qwen3", "mixtral"]
+
+
+def build(directory, arch: str, kind: str = "causal", tie: bool = False):
+    import transformers as tf
+
+    cfg_name, causal, reward, extra, _ = ARCHS[arch]
+    cfg = getattr(tf, cfg_name)(**{**BASE, **extra, "tie_word_embeddings": tie, "num_labels": 2})
+    torch.manual_seed(17)
+    getattr(tf, causal if kind == "causal" else reward)(cfg).float().eval().save_pretrained(directory)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("archs")
+    out = {arch: build(root / arch, arch) for arch in ARCHS}
+    out["llama-tied"] = build(root / "llama-tied", "llama", tie=True)
+    out.update({f"{arch}-reward": build(root / f"{arch}-reward", arch, "reward") for arch in REWARD})
+    return out
+
+
+def _check(address, ref, k=8):
+    seqs = random_seqs(np.random.default_rng(91), [1, 5, 37, 70], vocab=V)
+    rng = np.random.default_rng(92)
+    cands = [rng.integers(0, V, (len(s), 4)) for s in seqs]
+    with TeacherClient(address) as c:
+        info = c.model_info()
+        r = c.forward(seqs, temperature=0.8, logprobs=True, topk=k, candidates=cands, full_logits=True,
+                      vocab_range=(490, 520))
+        filtered = c.logprobs(seqs, top_k=40, top_p=0.8)
+    for j, seq in enumerate(seqs):
+        z = ref.logits(seq, 0.8)                                               # [L, V] float64
+        _close(r.logprobs[j], ref_token_logprobs(z, seq))
+        sorted_v, sorted_i = torch.sort(z, -1, descending=True)
+        _close(r.topk_values[j], sorted_v[:, :k].numpy())
+        sep = _separated(sorted_v.numpy(), k)
+        assert np.array_equal(r.topk_ids[j][sep], sorted_i[:, :k].numpy()[sep])
+        _close(r.candidate_logprobs[j], torch.log_softmax(z, -1).gather(-1, torch.as_tensor(cands[j])).numpy())
+        _close(r.full_logits[j], z[:, 490:520].numpy())
+        _close(filtered[j], ref_token_logprobs(ref.logits(seq), seq, top_k=40, top_p=0.8))
+    return info
+
+
+def _check_scores(address, ref):
+    seqs = random_seqs(np.random.default_rng(93), [3, 17, 60, 9], vocab=V)
+    with TeacherClient(address) as c:
+        scores = c.scores(seqs)
+    for j, seq in enumerate(seqs):
+        with torch.no_grad():
+            want = ref.model(torch.as_tensor(np.asarray(seq))[None]).logits[0]     # [num_labels] float64
+        np.testing.assert_allclose(scores[j], want.numpy(), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("arch", list(ARCHS) + ["llama-tied"])
+def test_tp1_equals_reference(dirs, arch):
+    server = serve_dir(dirs[arch], chunk_size=16)
+    try:
+        _check(server.address, Reference(dirs[arch]))
+    finally:
+        server.stop()
+
+
+@pytest.mark.parametrize("arch", TP2 + ["llama-tied"])
+def test_tp2_sharded_equals_reference(dirs, arch):
+    server = CliServer("--model", str(dirs[arch]), "--tp", "2", "--logprob-chunk-size", "16")
+    try:
+        info = _check(server.address, Reference(dirs[arch]))
+        assert (info.tp_size, info.tp_plan_source) == (2, ARCHS[arch.split("-")[0]][4])
+    finally:
+        assert server.stop() == 0, "".join(server.log[-30:])
+
+
+@pytest.mark.parametrize("arch", REWARD)
+@pytest.mark.parametrize("tp", [1, 2])
+def test_reward_variants_equal_reference(dirs, arch, tp):
+    directory = dirs[f"{arch}-reward"]
+    server = CliServer("--model", str(directory), "--tp", str(tp), "--logprob-chunk-size", "16")
+    try:
+        _check_scores(server.address, Reference(directory))
+    finally:
+        assert server.stop() == 0, "".join(server.log[-30:])
