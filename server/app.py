@@ -4,6 +4,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
@@ -68,6 +69,9 @@ def _source(model: ModelConfig) -> tuple[Path, Optional[str]]:
 
 def load(model: ModelConfig) -> LoadedModel:
     """The whole model, in one process."""
+    from logitserve.hostmem import peak_rss_mib
+
+    t0 = time.perf_counter()
     path, name = _source(model)
     loaded = load_model(path, dtype=model.dtype, max_seq_len=model.max_seq_len, name=name)
     if model.device != "cpu":
@@ -75,6 +79,7 @@ def load(model: ModelConfig) -> LoadedModel:
 
         if model.device == "cuda" or torch.cuda.is_available():
             loaded.model.to("cuda")
+    log.info("loaded the whole model in %.1f s; peak RSS %.0f MiB", time.perf_counter() - t0, peak_rss_mib())
     return loaded
 
 

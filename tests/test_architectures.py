@@ -26,6 +26,9 @@ ARCHS = {
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", None,          # softcapped logits and attention scores
                dict(head_dim=16, final_logit_softcapping=3.0, attn_logit_softcapping=20.0,
                     query_pre_attn_scalar=16, sliding_window=24), "transformers"),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", None,    # scaled embedding, q/k norms, local+global
+               dict(head_dim=16, final_logit_softcapping=3.0, query_pre_attn_scalar=16, sliding_window=24),
+               "transformers"),
     "phi3": ("Phi3Config", "Phi3ForCausalLM", None, {}, "transformers+logitserve"),     # fused qkv and gate_up
     "mixtral": ("MixtralConfig", "MixtralForCausalLM", "MixtralForSequenceClassification",
                 dict(num_local_experts=4, **MOE), "transformers"),

@@ -20,14 +20,14 @@ def _prelude():
     from transformers import LlamaForCausalLM  # noqa: F401
 
     from logitserve import loading  # noqa: F401
-    from logitserve.shard_load import peak_rss_mib
+    from logitserve.hostmem import peak_rss_mib
     return peak_rss_mib()
 
 
 def _whole(directory: str, out) -> None:
     before = _prelude()
     from logitserve.loading import load_model
-    from logitserve.shard_load import peak_rss_mib
+    from logitserve.hostmem import peak_rss_mib
 
     loaded = load_model(directory)
     touched = sum(float(p.sum()) for p in loaded.model.parameters())   # mmap-backed weights count once read
@@ -42,7 +42,8 @@ def _rank(rank: int, port: int, directory: str, out) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=120))
     before = _prelude()
-    from logitserve.shard_load import load_sharded, peak_rss_mib
+    from logitserve.hostmem import peak_rss_mib
+    from logitserve.shard_load import load_sharded
 
     loaded, shard = load_sharded(directory, "fp32", torch.device("cpu"), rank, 2, dist.group.WORLD)
     touched = sum(float(p.sum()) for p in loaded.model.parameters())

@@ -36,3 +36,15 @@ def tune_host_malloc() -> bool:
     if not ok:
         log.warning("mallopt refused a setting; host allocations keep glibc's defaults")
     return ok
+
+
+def peak_rss_mib() -> float:
+    """This process's peak resident set (VmHWM) in MiB; 0 where /proc is missing."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return 0.0

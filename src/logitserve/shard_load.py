@@ -18,25 +18,14 @@ import torch
 from torch import nn
 
 from .checkpoint import Checkpoint
+from .hostmem import peak_rss_mib
 from .loading import DTYPES, LoadedModel, _kind_of, describe, find_head, model_class
 from .spec import ModelKind
-from .tp_forward import install
+from .tp_forward import install, install_vocab_embedding, shardable_embedding
 from .tp_plan import Plan, check_layout, expand, resolve_plan
 from .vocab_parallel import VocabShard
 
 log = logging.getLogger("logitserve.shard_load")
-
-
-def peak_rss_mib() -> float:
-    """This process's peak resident set (VmHWM) in MiB; 0 where /proc is missing."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return 0.0
 
 
 def _skeleton(config, dtype: torch.dtype) -> nn.Module:
@@ -56,15 +45,23 @@ def _set(model: nn.Module, name: str, value: torch.Tensor, is_param: bool) -> No
         module._buffers[leaf] = value
 
 
-def _vocab_head(ckpt: Checkpoint, key: str, vocab: int, hidden: int, dtype, device, rank: int,
-                tp: int, group) -> tuple[nn.Linear, VocabShard]:
-    """Rows [r*ceil(V/tp), ...) of the lm_head, zero-padded past V: logits stay vocab-sharded [N, V/tp]."""
+def _vocab_rows(ckpt: Checkpoint, key: str, vocab: int, hidden: int, dtype, device, rank: int,
+                tp: int) -> tuple[torch.Tensor, int, int]:
+    """Rows [r*ceil(V/tp), ...) of a [V, H] tensor, zero-padded to ceil(V/tp): (weight, start, real rows)."""
     local = math.ceil(vocab / tp)
     start = rank * local
     real = max(0, min(vocab, start + local) - start)
     weight = torch.zeros(local, hidden, dtype=dtype, device=device)
     if real:
         weight[:real] = ckpt.read_rows(key, start, start + real).to(device=device, dtype=dtype)
+    return weight, start, real
+
+
+def _vocab_head(ckpt: Checkpoint, key: str, vocab: int, hidden: int, dtype, device, rank: int,
+                tp: int, group) -> tuple[nn.Linear, VocabShard]:
+    """The lm_head's vocab shard, zero-padded past V: logits stay vocab-sharded [N, V/tp]."""
+    weight, start, _ = _vocab_rows(ckpt, key, vocab, hidden, dtype, device, rank, tp)
+    local = weight.shape[0]
     head = nn.Linear(hidden, local, bias=False, device="meta")
     head.weight = nn.Parameter(weight, requires_grad=False)
     return head, VocabShard(start=start, size=local, vocab_size=vocab, group=group)
@@ -97,9 +94,11 @@ def load_sharded(directory, dtype: str, device: torch.device, rank: int, tp: int
     head_param = find_head(model, kind).weight if kind is ModelKind.CAUSAL_LM else None
     tied = head_param is not None and head_param is model.get_input_embeddings().weight
     fp32_keep = tuple(getattr(model, "_keep_in_fp32_modules", None) or ())
+    embedding = model.get_input_embeddings()
+    split_embedding = tp > 1 and shardable_embedding(embedding)
     missing = []
     for pname, p in list(model.named_parameters()):
-        if p is head_param and not tied:
+        if (p is head_param and not tied) or (split_embedding and p is embedding.weight):
             continue                      # read below as this rank's vocab shard
         if pname not in sources:
             missing.append(pname)
@@ -115,6 +114,14 @@ def load_sharded(directory, dtype: str, device: torch.device, rank: int, tp: int
                  False)
     for mname, style in expanded.modules.items():
         install(body.get_submodule(mname), style, group, rank, tp)
+    if split_embedding:                   # vocab-parallel input embedding, like the head
+        ename = next(n for n, p in model.named_parameters() if p is embedding.weight)
+        if ename not in sources:
+            raise ValueError(f"{path}: no checkpoint tensor for {ename}")
+        weight, start, real = _vocab_rows(ckpt, sources[ename].keys[0][2], embedding.num_embeddings,
+                                          embedding.embedding_dim, DTYPES[dtype], device, rank, tp)
+        embedding.weight = nn.Parameter(weight, requires_grad=False)
+        install_vocab_embedding(embedding, start, real, group)
 
     vocab = shard_head = None
     vshard = VocabShard(0, 0, 0, None)

@@ -44,6 +44,26 @@ def _reduce_hook(group):
     return hook
 
 
+def shardable_embedding(module: nn.Module) -> bool:
+    """nn.Embedding as is, or Gemma 3's scaled one (embedding times embed_scale): forwards we can rewrite."""
+    plain = type(module).forward is nn.Embedding.forward
+    return isinstance(module, nn.Embedding) and (plain or type(module).__name__.endswith("ScaledWordEmbedding"))
+
+
+def install_vocab_embedding(module: nn.Embedding, start: int, real: int, group) -> None:
+    """Vocab-parallel lookup: this rank holds rows [start, start + real); the others' ids give zeros; all-reduce."""
+    weight = module.weight                                   # [ceil(V/tp), H], zero past `real`
+    scale = getattr(module, "embed_scale", None)
+
+    def forward(ids: torch.Tensor) -> torch.Tensor:
+        local = ids - start
+        outside = (local < 0) | (local >= real)              # [B, S]
+        out = F.embedding(local.masked_fill(outside, 0), weight).masked_fill(outside[..., None], 0)   # [B, S, H]
+        dist.all_reduce(out, group=group)                    # one rank contributes each row: exact
+        return out if scale is None else out * scale.to(out.dtype)
+    module.forward = forward
+
+
 def install(module: nn.Module, style: Style, group, rank: int, tp: int) -> None:
     """Give `module` (its parameters already local shards) the communication `style` names."""
     if style.comm in ("reduce", "split") and isinstance(module, nn.Linear):
