@@ -1,4 +1,6 @@
 """logitserve client: reassembles sharded, chunked outputs into numpy arrays; needs grpcio, protobuf, numpy."""
+from logitserve.tokens import tokenizer_hash
+
 from .aio import AsyncTeacherClient
 from .api import ModelInfo
 from .assemble import Applied, ForwardResult, ModelIdentity
@@ -7,4 +9,4 @@ from .sync import TeacherClient
 from .wire import Wanted
 
 __all__ = ["TeacherClient", "AsyncTeacherClient", "LogitServeError", "ForwardResult", "ModelInfo",
-           "Applied", "ModelIdentity", "Wanted"]
+           "Applied", "ModelIdentity", "Wanted", "tokenizer_hash"]

@@ -65,7 +65,7 @@ class AsyncTeacherClient(OutputsMixin):
         req = build_request(rid, seqs, wanted)
         call = await self._stream()
         fut = asyncio.get_running_loop().create_future()
-        self._pending[rid] = (Assembly(len(req.sequences), wanted_fields(req), bf16_as_torch), fut)
+        self._pending[rid] = (Assembly(len(req.sequences) or len(req.texts), wanted_fields(req), bf16_as_torch), fut)
         try:
             async with self._write_lock:
                 await call.write(req)

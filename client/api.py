@@ -25,6 +25,7 @@ class ModelInfo:
     ranks: tuple              # ({rank, tp_rank, cp_rank, host, device}, ...)
     batching: str = "unknown"  # "exact" | "packed": how the server runs a batch through the body
     tp_plan_source: str = ""   # "transformers" | "logitserve" | "transformers+logitserve"; "" at tp 1
+    tokenizer_hash: str = ""   # "" without a tokenizer; compare with logitserve.client.tokenizer_hash(yours)
 
 
 class OutputsMixin:
@@ -41,12 +42,18 @@ class OutputsMixin:
                 topk_as_logprobs: bool = False, topk_dtype: str = "fp32", candidates: Optional[Sequence] = None,
                 full_logits: bool = False, seq_range: Optional[tuple[int, int]] = None,
                 vocab_range: Optional[tuple[int, int]] = None, logits_dtype: str = "fp32",
-                scores: bool = False, bf16_as_torch: bool = False, timeout_s: Optional[float] = None):
-        """Several outputs of one forward pass, as a ForwardResult."""
+                scores: bool = False, bf16_as_torch: bool = False, timeout_s: Optional[float] = None,
+                add_special_tokens: Optional[bool] = None):
+        """Several outputs of one forward pass, as a ForwardResult.
+
+        `seqs` holds token-id sequences, or texts (str) for the server to tokenize with the model's
+        own tokenizer; the ids it used come back in `ForwardResult.input_ids`.
+        """
         w = Wanted(temperature=temperature, logprobs=logprobs, top_k=top_k, top_p=top_p, topk=topk,
                    topk_as_logprobs=topk_as_logprobs, topk_dtype=topk_dtype, candidates=candidates,
                    full_logits=full_logits, seq_range=seq_range, vocab_range=vocab_range,
-                   logits_dtype=logits_dtype, scores=scores, timeout_s=timeout_s)
+                   logits_dtype=logits_dtype, scores=scores, timeout_s=timeout_s,
+                   add_special_tokens=add_special_tokens)
         return self._request(seqs, w, lambda r: r, bf16_as_torch)
 
     def logprobs(self, seqs: Sequence, temperature: float = 1.0, top_k: Optional[int] = None,
@@ -87,7 +94,8 @@ def model_info_of(msg) -> ModelInfo:
                   for r in msg.ranks)
     return ModelInfo(msg.name, msg.content_hash, msg.architecture, kind, msg.vocab_size, msg.max_sequence_length,
                      msg.dtype, msg.tp_size, msg.cp_size, msg.world_size, msg.num_labels, msg.max_message_bytes,
-                     msg.server_version, ranks, batching_name(msg.batching), msg.tp_plan_source)
+                     msg.server_version, ranks, batching_name(msg.batching), msg.tp_plan_source,
+                     msg.tokenizer_hash)
 
 
 def batching_name(value: int) -> str:

@@ -38,13 +38,15 @@ class ForwardResult:
     candidate_logprobs: Optional[list] = None  # [L, c] fp32
     full_logits: Optional[list] = None         # [s1 - s0, v1 - v0]
     scores: Optional[list] = None              # [num_labels] fp32
+    input_ids: Optional[list] = None           # [L] int32: texts as the server tokenized them (text requests)
     applied: Optional[Applied] = None
     model: Optional[ModelIdentity] = None
     batching: Optional[str] = None             # "exact" | "packed": the mode the server's body ran in
 
 
 _FIELD = {pb.TOKEN_LOGPROBS: "logprobs", pb.TOPK_VALUES: "topk_values", pb.TOPK_IDS: "topk_ids",
-          pb.CANDIDATE_LOGPROBS: "candidate_logprobs", pb.FULL_LOGITS: "full_logits", pb.SCORES: "scores"}
+          pb.CANDIDATE_LOGPROBS: "candidate_logprobs", pb.FULL_LOGITS: "full_logits", pb.SCORES: "scores",
+          pb.INPUT_IDS: "input_ids"}
 
 
 def _lost(message: str) -> LogitServeError:
@@ -153,7 +155,7 @@ class Assembly:
 
 def wanted_fields(req: pb.ForwardRequest) -> tuple[str, ...]:
     """Names of the ForwardResult fields a request will fill."""
-    names = []
+    names = ["input_ids"] if req.texts else []
     if req.HasField("logprobs"):
         names.append("logprobs")
     if req.HasField("topk"):

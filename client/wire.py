@@ -30,6 +30,7 @@ class Wanted:
     logits_dtype: str = "fp32"
     scores: bool = False
     timeout_s: Optional[float] = None      # server drops the request after this long (DEADLINE_EXCEEDED)
+    add_special_tokens: Optional[bool] = None   # texts only: the server's tokenizer default (True) when None
 
 
 def int32_tensor(values, name: str) -> pb.Tensor:
@@ -49,8 +50,17 @@ def _dtype(name: str, field: str) -> int:
 
 
 def build_request(request_id: str, seqs: Sequence, w: Wanted) -> pb.ForwardRequest:
-    req = pb.ForwardRequest(request_id=request_id, temperature=float(w.temperature),
-                            sequences=[int32_tensor(s, f"seqs[{i}]") for i, s in enumerate(seqs)])
+    """`seqs`: token-id sequences, or strings that the server tokenizes (never a mix)."""
+    texts = [isinstance(s, str) for s in seqs]
+    if any(texts) and not all(texts):
+        raise TypeError("seqs: give either token-id sequences or texts (str), not a mix")
+    req = pb.ForwardRequest(request_id=request_id, temperature=float(w.temperature))
+    if seqs and all(texts):
+        req.texts.extend(seqs)
+        if w.add_special_tokens is not None:
+            req.add_special_tokens = bool(w.add_special_tokens)
+    else:
+        req.sequences.extend(int32_tensor(s, f"seqs[{i}]") for i, s in enumerate(seqs))
     if w.logprobs:
         req.logprobs.SetInParent()
         if w.top_k is not None:

@@ -157,7 +157,7 @@ async def create_server(loaded: LoadedModel, config: ServerConfig, layout: Optio
         ("grpc.max_send_message_length", config.max_message_bytes),
     ])
     pb_grpc.add_LogitServeServicer_to_server(
-        LogitServeServicer(scheduler, info, loaded.limits, config.max_message_bytes), server)
+        LogitServeServicer(scheduler, info, loaded.limits, config.max_message_bytes, loaded.text), server)
     health_servicer = health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     port = server.add_insecure_port(f"{config.host}:{config.port}")

@@ -1,7 +1,7 @@
 """Translates between the proto messages and the core's Job / Piece types; no math."""
 from __future__ import annotations
 
-from typing import Iterator
+from typing import Iterator, Optional
 
 import grpc
 import numpy as np
@@ -9,7 +9,7 @@ import torch
 
 from logitserve.engine import Piece
 from logitserve.errors import InvalidRequest
-from logitserve.spec import Job, LogprobsOpts, SliceOpts, TopKOpts, WireDType
+from logitserve.spec import Job, LogprobsOpts, OutputKind, SliceOpts, TopKOpts, WireDType
 from logitserve.v1 import logitserve_pb2 as pb
 
 MAX_REQUEST_ID = 256
@@ -41,11 +41,19 @@ def _int32_tensor(field: str, t: pb.Tensor, ndim: int) -> np.ndarray:
     return np.frombuffer(t.data, dtype="<i4").reshape(shape)
 
 
-def decode_job(req: pb.ForwardRequest) -> Job:
-    """A Job from a ForwardRequest; malformed fields raise InvalidRequest naming the field."""
+def decode_job(req: pb.ForwardRequest, texts_ids: Optional[tuple] = None) -> Job:
+    """A Job from a ForwardRequest; malformed fields raise InvalidRequest naming the field.
+
+    `texts_ids`: the ids of req.texts, tokenized by the caller (the servicer), used as the sequences.
+    """
     if len(req.request_id) > MAX_REQUEST_ID:
         raise InvalidRequest("request_id", f"{len(req.request_id)} characters is over {MAX_REQUEST_ID}")
-    seqs = tuple(_int32_tensor(f"sequences[{i}]", t, 1) for i, t in enumerate(req.sequences))
+    if req.texts and req.sequences:
+        raise InvalidRequest("texts", "set either sequences (token ids) or texts, not both")
+    if texts_ids is not None:
+        seqs = texts_ids
+    else:
+        seqs = tuple(_int32_tensor(f"sequences[{i}]", t, 1) for i, t in enumerate(req.sequences))
     logprobs = topk = cands = sl = None
     if req.HasField("logprobs"):
         lp = req.logprobs
@@ -63,6 +71,12 @@ def decode_job(req: pb.ForwardRequest) -> Job:
                        dtype=_wire_dtype("full_logits.dtype", f.dtype))
     return Job(sequences=seqs, temperature=req.temperature if req.HasField("temperature") else 1.0,
                logprobs=logprobs, topk=topk, candidates=cands, full_logits=sl, scores=req.HasField("scores"))
+
+
+def input_id_pieces(ids: tuple) -> list[Piece]:
+    """A text request's ids as INPUT_IDS pieces, one [L] int32 per text."""
+    return [Piece(OutputKind.INPUT_IDS, i, (len(x),), (0,), torch.from_numpy(np.ascontiguousarray(x)))
+            for i, x in enumerate(ids)]
 
 
 def _tensor_bytes(t: torch.Tensor) -> bytes:
@@ -135,4 +149,5 @@ def encode_model_info(loaded, layout, max_message_bytes: int, version: str, batc
         ranks=[pb.RankInfo(rank=r.rank, tp_rank=r.tp_rank, cp_rank=r.cp_rank, host=r.host, device=r.device)
                for r in layout.ranks],
         num_labels=loaded.num_labels, max_message_bytes=max_message_bytes, server_version=version,
-        batching=encode_batching(batching), tp_plan_source=loaded.plan_source)
+        batching=encode_batching(batching), tp_plan_source=loaded.plan_source,
+        tokenizer_hash=loaded.text.hash if loaded.text is not None else "")

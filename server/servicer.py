@@ -5,7 +5,7 @@ import asyncio
 
 import grpc
 
-from logitserve.errors import InvalidRequest
+from logitserve.errors import InvalidRequest, NotSupported
 from logitserve.validate import validate_job
 from logitserve.v1 import logitserve_pb2 as pb
 from logitserve.v1 import logitserve_pb2_grpc as pb_grpc
@@ -20,8 +20,10 @@ STREAM_WINDOW = 8
 
 
 class LogitServeServicer(pb_grpc.LogitServeServicer):
-    def __init__(self, scheduler: Scheduler, info: pb.ModelInfoResponse, limits, max_message_bytes: int):
+    def __init__(self, scheduler: Scheduler, info: pb.ModelInfoResponse, limits, max_message_bytes: int,
+                 text=None):
         self._scheduler = scheduler
+        self._text = text          # tokenizing.TextEncoder, or None: texts are refused
         self._info = info
         self._identity = codec.identity_of(info)
         self._limits = limits
@@ -75,16 +77,35 @@ class LogitServeServicer(pb_grpc.LogitServeServicer):
             for t in list(tasks):
                 t.cancel()
 
+    async def _tokenize(self, req: pb.ForwardRequest) -> tuple:
+        if req.sequences:
+            raise InvalidRequest("texts", "set either sequences (token ids) or texts, not both")
+        if self._text is None:
+            raise NotSupported("texts", "this model directory ships no tokenizer; send token ids in sequences")
+        special = req.add_special_tokens if req.HasField("add_special_tokens") else True
+        return await asyncio.to_thread(self._text.encode, req.texts, special)   # Rust tokenizers free the GIL
+
     async def _serve_one(self, req: pb.ForwardRequest, emit, in_flight: dict, cancel_requested: set) -> None:
         rid = req.request_id
         try:
-            job = codec.decode_job(req)
-            validate_job(job, self._limits)
+            ids = await self._tokenize(req) if req.texts else None
+            job = codec.decode_job(req, ids)
+            try:
+                validate_job(job, self._limits)
+            except InvalidRequest as e:   # name the text, not the sequence it became
+                if ids is None or not e.field.startswith("sequences["):
+                    raise
+                raise InvalidRequest(e.field.replace("sequences", "texts", 1) + " (tokenized)",
+                                     str(e).split(": ", 1)[1]) from None
             timeout = req.timeout_s if req.HasField("timeout_s") else None
             if timeout is not None and not timeout > 0:
                 raise InvalidRequest("timeout_s", f"{timeout} must be > 0")
             async with asyncio.timeout(timeout):
                 n = 0
+                for piece in codec.input_id_pieces(ids) if ids is not None else ():
+                    for msg in codec.encode_piece(rid, piece, self._max_message_bytes):
+                        await emit(msg)
+                        n += 1
                 async for piece in self._scheduler.stream(job):
                     for msg in codec.encode_piece(rid, piece, self._max_message_bytes):
                         await emit(msg)

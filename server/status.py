@@ -5,7 +5,7 @@ import logging
 
 import grpc
 
-from logitserve.errors import InvalidRequest, OverLimit, Unavailable
+from logitserve.errors import InvalidRequest, NotSupported, OverLimit, Unavailable
 
 log = logging.getLogger("logitserve.server")
 
@@ -13,6 +13,7 @@ _CODES = (
     (InvalidRequest, grpc.StatusCode.INVALID_ARGUMENT),
     (OverLimit, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (Unavailable, grpc.StatusCode.UNAVAILABLE),
+    (NotSupported, grpc.StatusCode.FAILED_PRECONDITION),
 )
 
 

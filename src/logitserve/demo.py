@@ -11,7 +11,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-DEMO_VERSION = "v1"
+DEMO_VERSION = "v2"
 DEMO_SEED = 20261202
 DEMO_KINDS = ("causal", "reward")
 # shape -> (hidden, intermediate, layers, heads, kv heads, saved dtype)
@@ -37,15 +37,16 @@ def _demo_config(kind: str, shape: str = "demo"):
     )
 
 
-def _demo_tokenizer():
-    """A word-level tokenizer with one token per id, so ids print and peers can load the directory."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
+def demo_tokenizer(vocab_size: int = 32000):
+    """A word-level tokenizer with one token per id ("t5" is id 5), so ids print and peers can load the directory."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 
     vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
-    vocab.update({f"t{i}": i for i in range(3, 32000)})
+    vocab.update({f"t{i}": i for i in range(3, vocab_size)})
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])   # BOS, as Llama
     return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>",
                                    eos_token="</s>", pad_token="<unk>")
 
@@ -66,7 +67,7 @@ def export_demo(directory: str | os.PathLike, kind: str = "causal", shape: str =
         torch.manual_seed(DEMO_SEED)
         model = cls(_demo_config(kind, shape)).float().eval().to(getattr(torch, DEMO_SHAPES[shape][-1]))
     model.save_pretrained(out, safe_serialization=True)
-    _demo_tokenizer().save_pretrained(out)
+    demo_tokenizer().save_pretrained(out)
     return out
 
 

@@ -19,3 +19,12 @@ class OverLimit(LogitServeError):
 
 class Unavailable(LogitServeError):
     """The server cannot serve now: shutting down, or a rank was lost (gRPC UNAVAILABLE)."""
+
+
+class NotSupported(LogitServeError):
+    """The request asks for what this server's model cannot give, e.g. text without a tokenizer
+    (gRPC FAILED_PRECONDITION)."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(f"{field}: {message}")
+        self.field = field

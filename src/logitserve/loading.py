@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from .spec import ModelKind, ModelLimits
+from .tokenizing import load_tokenizer
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
@@ -69,6 +70,7 @@ class LoadedModel:
     num_labels: int           # reward models; 0 for causal LMs
     transform: HeadTransform = field(default_factory=HeadTransform)   # causal LMs' post-head elementwise map
     plan_source: str = ""     # where the TP plan came from: transformers, logitserve, both; "" at tp = 1
+    text: Optional[object] = None   # tokenizing.TextEncoder where the directory ships a tokenizer
 
     @property
     def limits(self) -> ModelLimits:
@@ -130,6 +132,7 @@ def describe(model, config, path: Path, dtype: str, max_seq_len: int | None, nam
         vocab_size=int(vocab), max_seq_len=int(max_seq_len or model_max),
         dtype=DTYPES[dtype], num_labels=int(num_labels),
         transform=head_transform_of(config) if kind is ModelKind.CAUSAL_LM else HeadTransform(),
+        text=load_tokenizer(path),
     )
 
 

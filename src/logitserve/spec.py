@@ -25,6 +25,7 @@ class OutputKind(enum.IntEnum):
     CANDIDATE_LOGPROBS = 4  # [L, c] fp32
     FULL_LOGITS = 5         # [s1 - s0, v1 - v0]
     SCORES = 6              # [num_labels] fp32
+    INPUT_IDS = 7           # [L] int32: a text's ids as the server tokenized it
 
 
 class ModelKind(enum.Enum):

@@ -1,0 +1,45 @@
+"""The model's own tokenizer, for requests that carry text: loaded offline from the model directory, once."""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional, Sequence
+
+import numpy as np
+
+from .tokens import tokenizer_hash
+
+from .errors import InvalidRequest
+
+log = logging.getLogger("logitserve.tokenizing")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model")
+
+
+@dataclass(frozen=True)
+class TextEncoder:
+    tokenizer: object          # a transformers tokenizer
+    hash: str                  # logitserve.client.tokenizer_hash of it
+
+    def encode(self, texts: Sequence[str], add_special_tokens: bool = True) -> tuple[np.ndarray, ...]:
+        """int32 [L_i] ids per text; a text that gives no ids is refused naming it."""
+        ids = self.tokenizer(list(texts), add_special_tokens=add_special_tokens)["input_ids"]
+        out = tuple(np.asarray(x, dtype=np.int32) for x in ids)
+        for i, x in enumerate(out):
+            if x.size == 0:
+                raise InvalidRequest(f"texts[{i}]", "tokenizes to no ids; a text must give at least one token")
+        return out
+
+
+def load_tokenizer(directory: Path) -> Optional[TextEncoder]:
+    """The directory's tokenizer, or None where it ships none (requests must then carry ids)."""
+    if not any((Path(directory) / f).exists() for f in TOKENIZER_FILES):
+        return None
+    from transformers import AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(directory, local_files_only=True)
+    except Exception as e:        # a broken tokenizer must not stop a server that serves ids
+        log.warning("%s: tokenizer files present but not loadable (%s); text requests are refused", directory, e)
+        return None
+    return TextEncoder(tok, tokenizer_hash(tok))
