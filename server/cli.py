@@ -56,7 +56,9 @@ def _client_parsers(sub) -> None:
     p.add_argument("address")
     q = sub.add_parser("query", help="print token logprobs and top-k for some token ids")
     q.add_argument("address")
-    q.add_argument("--ids", required=True, help="comma-separated token ids, e.g. 1,2,3")
+    given = q.add_mutually_exclusive_group(required=True)
+    given.add_argument("--ids", help="comma-separated token ids, e.g. 1,2,3")
+    given.add_argument("--text", help="a text for the server to tokenize with the model's tokenizer")
     q.add_argument("--topk", type=int, default=5)
     q.add_argument("--temperature", type=float, default=1.0)
     e = sub.add_parser("export-demo", help="write the embedded demo model as a Hugging Face directory")
@@ -123,9 +125,10 @@ def _cmd_info(args) -> int:
 def _cmd_query(args) -> int:
     from logitserve.client import TeacherClient
 
-    ids = [int(x) for x in args.ids.split(",") if x.strip()]
+    seq = args.text if args.text is not None else [int(x) for x in args.ids.split(",") if x.strip()]
     with TeacherClient(args.address) as c:
-        r = c.forward([ids], temperature=args.temperature, logprobs=True, topk=args.topk, topk_as_logprobs=True)
+        r = c.forward([seq], temperature=args.temperature, logprobs=True, topk=args.topk, topk_as_logprobs=True)
+    ids = r.input_ids[0].tolist() if args.text is not None else seq
     lp, vals, top = r.logprobs[0], r.topk_values[0], r.topk_ids[0]
     print(f"model {r.model.name} ({r.model.content_hash}), temperature {r.applied.temperature}")
     print(f"{'pos':>4} {'token':>8} {'logprob':>10}   top-{args.topk} next tokens (id:logprob)")

@@ -29,6 +29,13 @@ def test_query_prints_a_table_of_logprobs_and_topk(demo_cli_server):
     assert all(len(r) == 3 + 3 for r in rows)   # pos, token, logprob, 3 x id:logprob
 
 
+def test_query_of_a_text_prints_the_ids_the_server_tokenized(demo_cli_server):
+    out = _cli("query", demo_cli_server.address, "--text", "t5 t9 t200", "--topk", "2")
+    rows = [line.split() for line in out.splitlines() if line.strip() and line.split()[0].isdigit()]
+    assert [int(r[1]) for r in rows] == [1, 5, 9, 200]          # the demo tokenizer adds BOS (id 1)
+    assert float(rows[0][2]) == 0.0 and all(float(r[2]) < 0 for r in rows[1:])
+
+
 def test_query_of_a_bad_id_prints_the_status_and_fails(demo_cli_server):
     out = subprocess.run([sys.executable, "-m", "logitserve.server.cli", "query", demo_cli_server.address,
                           "--ids", "1,99999"], capture_output=True, text=True, timeout=120)

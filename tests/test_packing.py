@@ -305,6 +305,22 @@ def test_attention_sinks_are_refused_not_dropped():
         varlen_attention_forward(None, q, q, q, None, s_aux=torch.zeros(2))
 
 
+def test_a_model_with_attention_sinks_is_refused_at_startup_in_packed_mode_and_serves_exact(tmp_path):
+    import transformers as tf
+
+    from logitserve.engine import Batching, Engine, EngineConfig
+    from logitserve.loading import load_model
+
+    cfg = tf.GptOssConfig(vocab_size=V, hidden_size=32, intermediate_size=32, num_hidden_layers=1,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_local_experts=4,
+                          num_experts_per_tok=2, pad_token_id=0)
+    torch.manual_seed(3)
+    tf.GptOssForCausalLM(cfg).float().save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=r"attention sinks .*--batching exact"):
+        Engine(load_model(tmp_path), EngineConfig(batching=Batching.PACKED))
+    assert Engine(load_model(tmp_path), EngineConfig(batching=Batching.EXACT)).batching is Batching.EXACT
+
+
 def test_packed_gemma2_capped_scores_and_sliding_window_equal_reference(tmp_path):
     """Gemma-2 attention: tanh-capped scores and sliding-window layers, packed, against float64 transformers."""
     import transformers as tf

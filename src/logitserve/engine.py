@@ -85,6 +85,10 @@ class Engine:
         self.batching = Batching.EXACT if self.parallel.cp > 1 else config.batching
         self.pack_tokens = 0                     # tokens per packed body; 0 in exact mode
         if self.batching is Batching.PACKED:
+            sinks = [n for n, _ in loaded.body.named_parameters() if n.endswith(".sinks")]
+            if sinks:    # gpt-oss: packed attention would have to add each head's sink logit; refuse, do not drop
+                raise ValueError(f"{loaded.architecture} has attention sinks ({sinks[0]}, ...), which packed "
+                                 f"attention does not implement: serve it with --batching exact")
             register_varlen_attention()
             loaded.model.set_attn_implementation(VARLEN_ATTENTION)
             self.pack_tokens = config.max_pack_tokens
