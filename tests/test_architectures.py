@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from conftest import CliServer, serve_dir
-from helpers import Reference, random_seqs, ref_token_logprobs
+from helpers import Reference, random_seqs
 from logitserve.client import TeacherClient
-from test_outputs import _close, _separated
+from test_head_transforms import _check_every_output
 
 V = 1003
 BASE = dict(vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -59,26 +59,11 @@ def dirs(tmp_path_factory):
     return out
 
 
-def _check(address, ref, k=8):
-    seqs = random_seqs(np.random.default_rng(91), [1, 5, 37, 70], vocab=V)
-    rng = np.random.default_rng(92)
-    cands = [rng.integers(0, V, (len(s), 4)) for s in seqs]
+def _check(address, ref):
+    """Every output against float64 (the head-transform tests' check); the server's ModelInfo."""
+    _check_every_output(address, ref, random_seqs(np.random.default_rng(91), [1, 5, 37, 70], vocab=V))
     with TeacherClient(address) as c:
-        info = c.model_info()
-        r = c.forward(seqs, temperature=0.8, logprobs=True, topk=k, candidates=cands, full_logits=True,
-                      vocab_range=(490, 520))
-        filtered = c.logprobs(seqs, top_k=40, top_p=0.8)
-    for j, seq in enumerate(seqs):
-        z = ref.logits(seq, 0.8)                                               # [L, V] float64
-        _close(r.logprobs[j], ref_token_logprobs(z, seq))
-        sorted_v, sorted_i = torch.sort(z, -1, descending=True)
-        _close(r.topk_values[j], sorted_v[:, :k].numpy())
-        sep = _separated(sorted_v.numpy(), k)
-        assert np.array_equal(r.topk_ids[j][sep], sorted_i[:, :k].numpy()[sep])
-        _close(r.candidate_logprobs[j], torch.log_softmax(z, -1).gather(-1, torch.as_tensor(cands[j])).numpy())
-        _close(r.full_logits[j], z[:, 490:520].numpy())
-        _close(filtered[j], ref_token_logprobs(ref.logits(seq), seq, top_k=40, top_p=0.8))
-    return info
+        return c.model_info()
 
 
 def _check_scores(address, ref):
