@@ -39,7 +39,8 @@ class OutputsMixin:
 
     def forward(self, seqs: Sequence, *, temperature: float = 1.0, logprobs: bool = False,
                 top_k: Optional[int] = None, top_p: Optional[float] = None, topk: Optional[int] = None,
-                topk_as_logprobs: bool = False, topk_dtype: str = "fp32", candidates: Optional[Sequence] = None,
+                topk_as_logprobs: bool = False, topk_dtype: str = "fp32", topk_tail: bool = False,
+                candidates: Optional[Sequence] = None,
                 full_logits: bool = False, seq_range: Optional[tuple[int, int]] = None,
                 vocab_range: Optional[tuple[int, int]] = None, logits_dtype: str = "fp32",
                 scores: bool = False, bf16_as_torch: bool = False, timeout_s: Optional[float] = None,
@@ -50,7 +51,8 @@ class OutputsMixin:
         own tokenizer; the ids it used come back in `ForwardResult.input_ids`.
         """
         w = Wanted(temperature=temperature, logprobs=logprobs, top_k=top_k, top_p=top_p, topk=topk,
-                   topk_as_logprobs=topk_as_logprobs, topk_dtype=topk_dtype, candidates=candidates,
+                   topk_as_logprobs=topk_as_logprobs, topk_dtype=topk_dtype, topk_tail=topk_tail,
+                   candidates=candidates,
                    full_logits=full_logits, seq_range=seq_range, vocab_range=vocab_range,
                    logits_dtype=logits_dtype, scores=scores, timeout_s=timeout_s,
                    add_special_tokens=add_special_tokens)

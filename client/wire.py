@@ -23,6 +23,7 @@ class Wanted:
     topk: Optional[int] = None             # k of the top-k output
     topk_as_logprobs: bool = False
     topk_dtype: str = "fp32"
+    topk_tail: bool = False                # also the log of the probability outside the top-k, [L]
     candidates: Optional[Sequence] = None  # one [L_i, c_i] int array per sequence
     full_logits: bool = False
     seq_range: Optional[tuple[int, int]] = None
@@ -71,6 +72,7 @@ def build_request(request_id: str, seqs: Sequence, w: Wanted) -> pb.ForwardReque
         req.topk.k = int(w.topk)
         req.topk.as_logprobs = bool(w.topk_as_logprobs)
         req.topk.dtype = _dtype(w.topk_dtype, "topk_dtype")
+        req.topk.tail_mass = bool(w.topk_tail)
     if w.candidates is not None:
         req.candidates.ids.extend(int32_tensor(c, f"candidates[{i}]") for i, c in enumerate(w.candidates))
     if w.full_logits:

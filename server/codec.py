@@ -61,7 +61,7 @@ def decode_job(req: pb.ForwardRequest, texts_ids: Optional[tuple] = None) -> Job
                                 top_p=lp.top_p if lp.HasField("top_p") else None)
     if req.HasField("topk"):
         topk = TopKOpts(k=req.topk.k, as_logprobs=req.topk.as_logprobs,
-                        dtype=_wire_dtype("topk.dtype", req.topk.dtype))
+                        dtype=_wire_dtype("topk.dtype", req.topk.dtype), tail_mass=req.topk.tail_mass)
     if req.HasField("candidates"):
         cands = tuple(_int32_tensor(f"candidates.ids[{i}]", t, 2) for i, t in enumerate(req.candidates.ids))
     if req.HasField("full_logits"):

@@ -50,8 +50,9 @@ def test_every_output_equals_one_process_reference(sharded):
     with TeacherClient(server.address) as c:
         info = c.model_info()
         r = c.forward(seqs, temperature=0.9, logprobs=True, topk=10, candidates=cands, full_logits=True,
-                      vocab_range=(15990, 16020))
+                      vocab_range=(15990, 16020), topk_tail=True)
         whole = c.full_logits(seqs[3:4], temperature=0.9)[0]
+        every = c.forward(seqs[1:3], topk=V, topk_tail=True, topk_as_logprobs=True)     # k = V: no tail left
     assert (info.tp_size, info.cp_size, info.world_size, len(info.ranks)) == (tp, cp, tp * cp, tp * cp)
     assert sorted((x["tp_rank"], x["cp_rank"]) for x in info.ranks) == sorted(
         (t, c) for t in range(tp) for c in range(cp))
@@ -67,7 +68,12 @@ def test_every_output_equals_one_process_reference(sharded):
         assert np.array_equal(r.topk_ids[j][sep], sorted_i[:, :10].numpy()[sep])
         _close(r.candidate_logprobs[j], torch.log_softmax(z, -1).gather(-1, torch.as_tensor(cands[j])).numpy())
         _close(r.full_logits[j], z[:, 15990:16020].numpy())
+        # tail: log of the mass outside the returned ids, by a sum over the rest of the full row
+        outside = torch.log_softmax(z, -1).scatter(-1, torch.as_tensor(r.topk_ids[j]).long(), float("-inf"))
+        _close(r.topk_tail[j], torch.logsumexp(outside, -1).numpy())
     _close(whole, ref.logits(seqs[3], 0.9).numpy())
+    assert all(np.isneginf(t).all() for t in every.topk_tail)
+    assert all(np.array_equal(np.sort(i, -1), np.broadcast_to(np.arange(V), i.shape)) for i in every.topk_ids)
 
 
 def test_filters_and_topk_logprobs_equal_reference(sharded):

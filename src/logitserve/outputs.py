@@ -88,7 +88,16 @@ def block_pieces(job: Job, z: torch.Tensor, segs: list[Segment], hs: HeadShard,
     if job.candidates is not None:                                                  # per segment: c differs
         cand_z = [vp_gather(z[g.rows], cands[g.sequence][g.s0 : g.s1], shard) for g in segs]
     needs_lse = (opts is not None and not filtered) or (top is not None and job.topk.as_logprobs) or cand_z is not None
-    lse = vp_logsumexp(z, shard, inplace=True) if needs_lse else None               # [n]; z is gone now
+    tail = None
+    if top is not None and job.topk.tail_mass:
+        # the log-sum-exp outside the top-k ids, then the full one from its two parts: no 1 - sum(p) cancellation
+        lse_top = torch.logsumexp(top[0], dim=-1)                                   # [n]
+        _mask_ids_(z, top[1], shard)
+        rest = vp_logsumexp(z, shard, inplace=True)                                 # [n]; z is gone now
+        lse = torch.logaddexp(rest, lse_top)
+        tail = rest - lse                                                           # [n], -inf when k = V
+    else:
+        lse = vp_logsumexp(z, shard, inplace=True) if needs_lse else None           # [n]; z is gone now
 
     if opts is not None:
         if not filtered:
@@ -108,6 +117,8 @@ def block_pieces(job: Job, z: torch.Tensor, segs: list[Segment], hs: HeadShard,
             pieces.append(Piece(OutputKind.TOPK_VALUES, g.sequence, (L, k), (g.s0, 0), _wire(vals[g.rows], job.topk.dtype)))
             pieces.append(Piece(OutputKind.TOPK_IDS, g.sequence, (L, k), (g.s0, 0),
                                 top_ids[g.rows].to(torch.int32).cpu().contiguous()))
+            if tail is not None:
+                pieces.append(Piece(OutputKind.TOPK_TAIL, g.sequence, (L,), (g.s0,), tail[g.rows].cpu().contiguous()))
     if cand_z is not None:
         for g, cz in zip(segs, cand_z):
             lp_c = cz - lse[g.rows, None]                                           # [s1-s0, c]
@@ -115,6 +126,14 @@ def block_pieces(job: Job, z: torch.Tensor, segs: list[Segment], hs: HeadShard,
             pieces.append(Piece(OutputKind.CANDIDATE_LOGPROBS, g.sequence, shape, (g.s0, 0), lp_c.cpu().contiguous()))
     # Under TP every rank computed the reductions; only the replicated outputs' owner emits them.
     return [p for p in pieces if hs.emits_replicated or p.output is OutputKind.FULL_LOGITS]
+
+
+def _mask_ids_(z: torch.Tensor, ids: torch.Tensor, shard: VocabShard) -> None:
+    """z at global ids -> -inf, on the rank that owns each column. z: [n, V/tp], ids: [n, k]."""
+    local = ids - shard.start                                                       # [n, k]
+    owned = (local >= 0) & (local < shard.size)
+    rows = torch.arange(len(z), device=z.device)[:, None].expand_as(local)
+    z[rows[owned], local[owned]] = float("-inf")
 
 
 def _token_logprobs_piece(i: int, lp: torch.Tensor, s0: int, L: int) -> Piece:

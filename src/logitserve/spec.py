@@ -26,6 +26,7 @@ class OutputKind(enum.IntEnum):
     FULL_LOGITS = 5         # [s1 - s0, v1 - v0]
     SCORES = 6              # [num_labels] fp32
     INPUT_IDS = 7           # [L] int32: a text's ids as the server tokenized it
+    TOPK_TAIL = 8           # [L] fp32: log of the probability outside the top-k ids
 
 
 class ModelKind(enum.Enum):
@@ -46,6 +47,7 @@ class TopKOpts:
     k: int
     as_logprobs: bool = False      # values as full-vocab log_softmax instead of logits
     dtype: WireDType = WireDType.FP32
+    tail_mass: bool = False        # also the log of the probability outside the top-k (TOPK_TAIL)
 
 
 @dataclass(frozen=True)
