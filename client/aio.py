@@ -66,27 +66,38 @@ class AsyncTeacherClient(OutputsMixin):
         call = await self._stream()
         fut = asyncio.get_running_loop().create_future()
         self._pending[rid] = (Assembly(len(req.sequences) or len(req.texts), wanted_fields(req), bf16_as_torch), fut)
+        # A write interrupted half way would break the whole stream: a cancel during it lets it finish.
+        send = asyncio.ensure_future(self._write(call, req))
         try:
-            async with self._write_lock:
-                await call.write(req)
+            await asyncio.shield(send)
         except (grpc.RpcError, asyncio.InvalidStateError) as e:
             self._pending.pop(rid, None)
             if isinstance(e, grpc.RpcError):
                 raise LogitServeError.from_rpc(e) from None
             raise LogitServeError(grpc.StatusCode.UNAVAILABLE, "stream closed") from None
+        except asyncio.CancelledError:
+            self._pending.pop(rid, None)
+            send.add_done_callback(lambda t: t.exception() is None and asyncio.ensure_future(self._cancel(call, rid)))
+            raise
         try:
             return await fut
         except asyncio.CancelledError:
-            # Tell the server, so the request's queued work is dropped and its memory freed.
-            if not call.done():
-                try:
-                    async with self._write_lock:
-                        await call.write(pb.ForwardRequest(request_id=rid, cancel=True))
-                except (grpc.RpcError, asyncio.InvalidStateError):
-                    pass
+            await self._cancel(call, rid)
             raise
         finally:
             self._pending.pop(rid, None)
+
+    async def _write(self, call, req: pb.ForwardRequest) -> None:
+        async with self._write_lock:
+            await call.write(req)
+
+    async def _cancel(self, call, rid: str) -> None:
+        """Tell the server, so the request's queued work is dropped and its memory freed."""
+        if not call.done():
+            try:
+                await asyncio.shield(self._write(call, pb.ForwardRequest(request_id=rid, cancel=True)))
+            except (grpc.RpcError, asyncio.InvalidStateError, asyncio.CancelledError):
+                pass
 
     async def _stream(self):
         async with self._open_lock:
