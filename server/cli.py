@@ -61,6 +61,19 @@ def _client_parsers(sub) -> None:
     given.add_argument("--text", help="a text for the server to tokenize with the model's tokenizer")
     q.add_argument("--topk", type=int, default=5)
     q.add_argument("--temperature", type=float, default=1.0)
+    c = sub.add_parser("capture", help="capture a teacher's top-k for a jsonl dataset into safetensors shards")
+    c.add_argument("address")
+    c.add_argument("--input", required=True, help='jsonl: {"ids": [...]} or {"text": "..."} per line')
+    c.add_argument("--out", required=True, help="directory of shards + manifest.json; a rerun resumes")
+    c.add_argument("--topk", type=int, default=64)
+    c.add_argument("--logprobs", action="store_true", help="also the token logprobs")
+    c.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="top-k values on disk")
+    c.add_argument("--temperature", type=float, default=1.0)
+    c.add_argument("--shard-samples", type=int, default=256)
+    c.add_argument("--batch-samples", type=int, default=16, help="samples per request")
+    c.add_argument("--in-flight", type=int, default=4, help="requests on the stream at once")
+    c.add_argument("--verify", type=int, default=0, metavar="N", help="then re-check N random samples live")
+    c.add_argument("--no-progress", action="store_true")
     e = sub.add_parser("export-demo", help="write the embedded demo model as a Hugging Face directory")
     e.add_argument("directory")
     e.add_argument("--kind", choices=["causal", "reward"], default="causal")
@@ -138,6 +151,28 @@ def _cmd_query(args) -> int:
     return 0
 
 
+def _cmd_capture(args) -> int:
+    import time
+    from pathlib import Path
+
+    from logitserve.client import TeacherClient
+    from logitserve.client.capture import CaptureConfig, capture, verify
+
+    cfg = CaptureConfig(topk=args.topk, logprobs=args.logprobs, dtype=args.dtype, temperature=args.temperature,
+                        shard_samples=args.shard_samples, batch_samples=args.batch_samples, in_flight=args.in_flight)
+    t0 = time.perf_counter()
+    with TeacherClient(args.address) as c:
+        manifest = capture(c, args.input, args.out, cfg, progress=not args.no_progress)
+        took = time.perf_counter() - t0
+        shards = sorted(Path(args.out).glob("shard-*.safetensors"))
+        print(f"captured {manifest['input']['samples']} samples into {len(shards)} shards in {took:.1f} s "
+              f"({sum(f.stat().st_size for f in shards) / 2**20:.1f} MiB) under {args.out}")
+        if args.verify:
+            print(f"verified {args.verify} samples against the live teacher: max |diff| "
+                  f"{verify(c, args.out, args.verify):.3g}")
+    return 0
+
+
 def _cmd_export(args) -> int:
     from logitserve.demo import export_demo
 
@@ -154,6 +189,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     commands = {"serve": lambda a: _cmd_serve(a, argv), "info": _cmd_info, "query": _cmd_query,
+                "capture": _cmd_capture,
                 "export-demo": _cmd_export}
     try:
         return commands[args.command](args)

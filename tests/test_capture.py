@@ -1,0 +1,100 @@
+"""`logitserve capture`: shards a dataset's top-k to safetensors; killed halfway and rerun, the result equals an
+uninterrupted capture byte for byte (teacher in exact batching); the reader gives back what the teacher serves."""
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import serve_dir
+from helpers import VOCAB, build_model
+from logitserve.client import TeacherClient
+from logitserve.client.capture import CaptureConfig, capture, read_capture, verify
+
+CFG = CaptureConfig(topk=8, logprobs=True, shard_samples=4, batch_samples=2, in_flight=2)
+
+
+@pytest.fixture(scope="module")
+def exact_teacher(tmp_path_factory):
+    from logitserve.demo import demo_tokenizer
+
+    directory = build_model(tmp_path_factory.mktemp("cap") / "llama", "llama")
+    demo_tokenizer(VOCAB).save_pretrained(directory)
+    server = serve_dir(directory, batching="exact")
+    server.directory = directory
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory):
+    rng = np.random.default_rng(7)
+    path = tmp_path_factory.mktemp("data") / "data.jsonl"
+    with open(path, "w") as f:
+        for i in range(240):
+            if i % 10 == 3:
+                f.write(json.dumps({"text": " ".join(f"t{x}" for x in rng.integers(3, VOCAB, 20))}) + "\n")
+            else:
+                f.write(json.dumps({"ids": rng.integers(0, VOCAB, int(rng.integers(2, 120))).tolist()}) + "\n")
+    return path
+
+
+def _cli_capture(address, data, out, *extra):
+    return [sys.executable, "-m", "logitserve.server.cli", "capture", address, "--input", str(data), "--out", str(out),
+            "--topk", "8", "--logprobs", "--shard-samples", "4", "--batch-samples", "2", "--in-flight", "2",
+            "--no-progress", *extra]
+
+
+def test_a_capture_killed_halfway_and_rerun_equals_an_uninterrupted_one(exact_teacher, dataset, tmp_path):
+    whole, resumed = tmp_path / "whole", tmp_path / "resumed"
+    with TeacherClient(exact_teacher.address) as c:
+        capture(c, dataset, whole, CFG, progress=False)
+    proc = subprocess.Popen(_cli_capture(exact_teacher.address, dataset, resumed), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while len(list(resumed.glob("shard-*.safetensors"))) < 5 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(30)
+    done = len(list(resumed.glob("shard-*.safetensors")))
+    assert 5 <= done < 60, f"{done} of 60 shards when killed: the kill must land halfway"
+    rerun = subprocess.run(_cli_capture(exact_teacher.address, dataset, resumed, "--verify", "4"),
+                           capture_output=True, text=True, timeout=300)
+    assert rerun.returncode == 0, rerun.stderr[-2000:]
+    assert "verified 4 samples" in rerun.stdout
+    names = sorted(p.name for p in whole.iterdir())
+    assert names == sorted(p.name for p in resumed.iterdir()) and len(names) == 61          # 60 shards + manifest
+    for name in names:
+        assert (whole / name).read_bytes() == (resumed / name).read_bytes(), name
+
+
+def test_the_reader_gives_back_what_the_teacher_serves(exact_teacher, dataset, tmp_path):
+    from transformers import AutoTokenizer
+
+    with TeacherClient(exact_teacher.address) as c:
+        capture(c, dataset, tmp_path / "fp32", CFG, progress=False)
+        capture(c, dataset, tmp_path / "bf16", CaptureConfig(topk=8, dtype="bf16", shard_samples=64), progress=False)
+        samples = list(read_capture(tmp_path / "fp32"))
+        halves = list(read_capture(tmp_path / "bf16"))
+        lines = [json.loads(x) for x in open(dataset)]
+        assert [s.index for s in samples] == list(range(len(lines)))
+        tok = AutoTokenizer.from_pretrained(exact_teacher.directory)
+        for s in samples[:24]:
+            line = lines[s.index]
+            assert s.input_ids.tolist() == (line["ids"] if "ids" in line else tok(line["text"])["input_ids"])
+            r = c.forward([s.input_ids], logprobs=True, topk=8, topk_as_logprobs=True, topk_tail=True)
+            assert np.array_equal(s.topk_values, r.topk_values[0]) and np.array_equal(s.topk_ids, r.topk_ids[0])
+            assert np.array_equal(s.topk_tail, r.topk_tail[0]) and np.array_equal(s.logprobs, r.logprobs[0])
+            h = halves[s.index]
+            rounded = torch.from_numpy(r.topk_values[0]).bfloat16().float().numpy()        # bf16 on disk, exactly
+            assert np.array_equal(h.topk_values, rounded) and h.logprobs is None
+        assert verify(c, tmp_path / "bf16", samples=4) <= np.abs(samples[0].topk_values).max() * 2.0 ** -8 + 1e-5
+    with pytest.raises(ValueError, match="another request"):
+        with TeacherClient(exact_teacher.address) as c:
+            capture(c, dataset, tmp_path / "fp32", CaptureConfig(topk=9), progress=False)
