@@ -15,6 +15,15 @@ from .assemble import Assembly, wanted_fields
 from .errors import LogitServeError
 from .wire import Wanted, build_request
 
+def _pem(value) -> Optional[bytes]:
+    """PEM bytes as given, or read from a path."""
+    if value is None or isinstance(value, bytes):
+        return value
+    from pathlib import Path
+
+    return Path(value).read_bytes()
+
+
 # Responses are chunked under 4 MiB by default; leave room for servers configured larger.
 DEFAULT_MAX_RECEIVE = 64 << 20
 
@@ -23,10 +32,19 @@ class AsyncTeacherClient(OutputsMixin):
     """`async with AsyncTeacherClient("host:port") as c: lp = await c.logprobs([[1, 2, 3]])`."""
 
     def __init__(self, address: str, *, max_receive_bytes: int = DEFAULT_MAX_RECEIVE,
-                 options: Sequence[tuple] = ()):
-        self._channel = grpc.aio.insecure_channel(address, options=[
-            ("grpc.max_receive_message_length", max_receive_bytes),
-            ("grpc.max_send_message_length", -1), *options])
+                 options: Sequence[tuple] = (), tls: bool = False, root_certificates=None,
+                 certificate_chain=None, private_key=None, token: Optional[str] = None):
+        """TLS when `tls` or any certificate is given (PEM bytes or a file path; no root_certificates: the
+        system's roots); `certificate_chain` + `private_key`: a client certificate for mTLS; `token`: sent
+        as `authorization: Bearer <token>` on every call."""
+        opts = [("grpc.max_receive_message_length", max_receive_bytes), ("grpc.max_send_message_length", -1),
+                *options]
+        if tls or root_certificates or certificate_chain:
+            creds = grpc.ssl_channel_credentials(_pem(root_certificates), _pem(private_key), _pem(certificate_chain))
+            self._channel = grpc.aio.secure_channel(address, creds, options=opts)
+        else:
+            self._channel = grpc.aio.insecure_channel(address, options=opts)
+        self._metadata = (("authorization", f"Bearer {token}"),) if token else None
         self._stub = pb_grpc.LogitServeStub(self._channel)
         self._call = None
         self._reader: Optional[asyncio.Task] = None
@@ -50,7 +68,8 @@ class AsyncTeacherClient(OutputsMixin):
 
     async def model_info(self, timeout: Optional[float] = None) -> ModelInfo:
         try:
-            return model_info_of(await self._stub.ModelInfo(pb.ModelInfoRequest(), timeout=timeout))
+            return model_info_of(await self._stub.ModelInfo(pb.ModelInfoRequest(), timeout=timeout,
+                                                            metadata=self._metadata))
         except grpc.RpcError as e:
             raise LogitServeError.from_rpc(e) from None
 
@@ -102,7 +121,7 @@ class AsyncTeacherClient(OutputsMixin):
     async def _stream(self):
         async with self._open_lock:
             if self._call is None or self._call.done():
-                self._call = self._stub.Forward()
+                self._call = self._stub.Forward(metadata=self._metadata)
                 self._reader = asyncio.create_task(self._read(self._call))
             return self._call
 

@@ -23,6 +23,7 @@ from logitserve.v1 import logitserve_pb2_grpc as pb_grpc
 
 from . import codec
 from .scheduler import Scheduler, SchedulerConfig, engine_batch_runner
+from .security import SecurityConfig, TokenAuth, load_tokens, server_credentials
 from .servicer import STREAM_WINDOW, LogitServeServicer
 
 log = logging.getLogger("logitserve.server")
@@ -52,6 +53,7 @@ class ServerConfig:
     grace_s: float = 5.0                # drain time on shutdown
     engine: EngineConfig = field(default_factory=EngineConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    security: SecurityConfig = field(default_factory=SecurityConfig)
 
     def __post_init__(self):
         if self.max_message_bytes < 64 << 10:
@@ -152,15 +154,18 @@ async def create_server(loaded: LoadedModel, config: ServerConfig, layout: Optio
     estimate = estimate or memory_estimator(loaded, config, loaded.vocab_size, pack_tokens=pack_tokens)
     scheduler = Scheduler(run_batch, config.scheduler, estimate=estimate, idle=idle)
     info = codec.encode_model_info(loaded, layout, config.max_message_bytes, logitserve.__version__, batching)
+    sec = config.security
     server = grpc.aio.server(options=[
         ("grpc.max_receive_message_length", config.max_request_bytes),
         ("grpc.max_send_message_length", config.max_message_bytes),
-    ])
+    ], interceptors=[TokenAuth(load_tokens(sec.auth_token_file))] if sec.auth_token_file else None)
     pb_grpc.add_LogitServeServicer_to_server(
         LogitServeServicer(scheduler, info, loaded.limits, config.max_message_bytes, loaded.text), server)
     health_servicer = health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    port = server.add_insecure_port(f"{config.host}:{config.port}")
+    credentials = server_credentials(sec)
+    address = f"{config.host}:{config.port}"
+    port = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
     if port == 0:
         raise OSError(f"cannot bind {config.host}:{config.port}")
     await server.start()

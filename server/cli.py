@@ -39,6 +39,10 @@ def _serve_parser(sub) -> None:
     p.add_argument("--no-overlap", action="store_true", help="send each piece before computing the next (for measuring)")
     p.add_argument("--no-malloc-tuning", action="store_true",
                    help="keep glibc's malloc defaults (by default: one arena, no trimming; see logitserve.hostmem)")
+    p.add_argument("--tls-cert", help="PEM certificate chain: serve over TLS (with --tls-key)")
+    p.add_argument("--tls-key", help="PEM private key of --tls-cert")
+    p.add_argument("--tls-client-ca", help="PEM CA bundle: mTLS, a client without a certificate it signed is refused")
+    p.add_argument("--auth-token-file", help="bearer tokens, one per line: every RPC but health needs one")
 
 
 def _size(text: str) -> int:
@@ -80,7 +84,23 @@ def _client_parsers(sub) -> None:
     e.add_argument("--shape", choices=["demo", "body", "1b"], default="demo")
 
 
+SERVER_MODULES = ("torch", "transformers", "safetensors", "accelerate", "grpc_health")
+
+
+def _missing_server_extras() -> list[str]:
+    """The server's dependencies that are not installed (a client-only `pip install logitserve`)."""
+    import importlib.util
+
+    return [m for m in SERVER_MODULES if importlib.util.find_spec(m) is None]
+
+
 def _cmd_serve(args, argv: list[str]) -> int:
+    missing = _missing_server_extras()
+    if missing:
+        print(f"logitserve serve needs the server extras, missing here: {', '.join(missing)}.\n"
+              f"Install them with: pip install 'logitserve[server]'  (install torch first to pick its build: "
+              f"pip install torch)", file=sys.stderr)
+        return 2
     import torch
     from transformers.utils import logging as hf_logging
 
@@ -89,6 +109,7 @@ def _cmd_serve(args, argv: list[str]) -> int:
 
     from .app import ModelConfig, ServerConfig, serve, serve_rank
     from .scheduler import SchedulerConfig
+    from .security import SecurityConfig
     from .launch import spawn_local, under_torchrun
 
     parallel = ParallelConfig(tp=args.tp, cp=args.cp, collective_timeout_s=args.collective_timeout,
@@ -110,7 +131,9 @@ def _cmd_serve(args, argv: list[str]) -> int:
                                 stall_timeout_s=args.stall_timeout, overlap=not args.no_overlap)
     config = ServerConfig(host=args.host, port=args.port, max_message_bytes=args.max_message_bytes,
                           engine=EngineConfig(chunk_size=args.logprob_chunk_size, batching=Batching(args.batching),
-                                              max_pack_tokens=args.max_batch_tokens), scheduler=scheduler)
+                                              max_pack_tokens=args.max_batch_tokens), scheduler=scheduler,
+                          security=SecurityConfig(args.tls_cert, args.tls_key, args.tls_client_ca,
+                                                  args.auth_token_file))
     if under_torchrun():
         code = serve_rank(model, config, parallel)
         # The rank is done and its process groups destroyed; the interpreter's own teardown can still

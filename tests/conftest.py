@@ -84,8 +84,8 @@ serve_dir = _serve
 class CliServer:
     """`logitserve serve` in its own process, as a user starts it."""
 
-    def __init__(self, *args: str):
-        self.proc = subprocess.Popen([sys.executable, "-m", "logitserve.server.cli", "serve", "--host", "127.0.0.1",
+    def __init__(self, *args: str, python: str = sys.executable):
+        self.proc = subprocess.Popen([python, "-m", "logitserve.server.cli", "serve", "--host", "127.0.0.1",
                                       "--port", "0", *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      text=True)
         deadline = time.monotonic() + 180

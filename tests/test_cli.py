@@ -63,3 +63,12 @@ def test_reward_demo_serves_scores_and_stops_cleanly_on_sigterm():
     assert info.kind == "reward" and info.name == "logitserve-demo-reward"
     assert [s.shape for s in scores] == [(1,), (1,)]
     assert code == 0
+
+
+def test_serve_without_the_server_extras_says_what_to_install():
+    code = ("import importlib.util, sys; real = importlib.util.find_spec\n"
+            "importlib.util.find_spec = lambda name, *a: None if name in ('torch', 'grpc_health') else real(name, *a)\n"
+            "from logitserve.server.cli import main; sys.exit(main(['serve']))")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 2 and "Traceback" not in run.stderr
+    assert "missing here: torch, grpc_health" in run.stderr and "pip install 'logitserve[server]'" in run.stderr

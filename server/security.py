@@ -1,0 +1,85 @@
+"""TLS and mTLS server credentials, and bearer-token auth on every RPC but health (a server interceptor)."""
+from __future__ import annotations
+
+import hmac
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import grpc
+
+HEALTH_PREFIX = "/grpc.health.v1.Health/"
+
+
+@dataclass(frozen=True)
+class SecurityConfig:
+    tls_cert: Optional[str] = None          # PEM certificate chain of the server
+    tls_key: Optional[str] = None           # its PEM private key
+    tls_client_ca: Optional[str] = None     # PEM CA bundle: clients must present a certificate it signed (mTLS)
+    auth_token_file: Optional[str] = None   # one bearer token per line (blank lines and # comments skipped)
+
+    def __post_init__(self):
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise ValueError("--tls-cert and --tls-key go together")
+        if self.tls_client_ca and not self.tls_cert:
+            raise ValueError("--tls-client-ca (mTLS) needs --tls-cert and --tls-key")
+
+
+def server_credentials(cfg: SecurityConfig) -> Optional[grpc.ServerCredentials]:
+    """TLS credentials, requiring a client certificate when a client CA is given; None: plaintext."""
+    if not cfg.tls_cert:
+        return None
+    ca = Path(cfg.tls_client_ca).read_bytes() if cfg.tls_client_ca else None
+    return grpc.ssl_server_credentials([(Path(cfg.tls_key).read_bytes(), Path(cfg.tls_cert).read_bytes())],
+                                       root_certificates=ca, require_client_auth=ca is not None)
+
+
+def load_tokens(path: str) -> tuple[bytes, ...]:
+    tokens = tuple(line.strip().encode() for line in Path(path).read_text().splitlines()
+                   if line.strip() and not line.lstrip().startswith("#"))
+    if not tokens:
+        raise ValueError(f"--auth-token-file {path}: no token in it")
+    return tokens
+
+
+def _matches(token: bytes, tokens: tuple[bytes, ...]) -> bool:
+    """Constant time in the token's content: every candidate is compared, no early exit."""
+    found = False
+    for t in tokens:
+        found |= hmac.compare_digest(token, t)
+    return found
+
+
+class TokenAuth(grpc.aio.ServerInterceptor):
+    """`authorization: Bearer <token>` on every RPC but health: missing -> UNAUTHENTICATED, wrong -> PERMISSION_DENIED."""
+
+    def __init__(self, tokens: tuple[bytes, ...]):
+        self._tokens = tokens
+
+    async def intercept_service(self, continuation, details: grpc.HandlerCallDetails):
+        handler = await continuation(details)
+        if handler is None or details.method.startswith(HEALTH_PREFIX):
+            return handler
+        value = dict(details.invocation_metadata or ()).get("authorization", "")
+        scheme, _, token = value.partition(" ")
+        if scheme.lower() != "bearer" or not token:
+            return _refusal(handler, grpc.StatusCode.UNAUTHENTICATED,
+                            "authorization: this server needs a bearer token (metadata 'authorization: Bearer <token>')")
+        if not _matches(token.strip().encode(), self._tokens):
+            return _refusal(handler, grpc.StatusCode.PERMISSION_DENIED, "authorization: the bearer token is not accepted")
+        return handler
+
+
+def _refusal(handler: grpc.RpcMethodHandler, code: grpc.StatusCode, details: str) -> grpc.RpcMethodHandler:
+    """A handler of the same kind as `handler` that ends the call with `code`."""
+    async def refuse(request_or_iterator, context):
+        await context.abort(code, details)
+
+    kw = dict(request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer)
+    if handler.request_streaming and handler.response_streaming:
+        return grpc.stream_stream_rpc_method_handler(refuse, **kw)
+    if handler.request_streaming:
+        return grpc.stream_unary_rpc_method_handler(refuse, **kw)
+    if handler.response_streaming:
+        return grpc.unary_stream_rpc_method_handler(refuse, **kw)
+    return grpc.unary_unary_rpc_method_handler(refuse, **kw)
