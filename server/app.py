@@ -13,6 +13,7 @@ import grpc
 import numpy as np
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
+from grpc_reflection.v1alpha import reflection
 
 import logitserve
 from logitserve.engine import Batching, Engine, EngineConfig
@@ -23,6 +24,7 @@ from logitserve.v1 import logitserve_pb2_grpc as pb_grpc
 
 from . import codec
 from .scheduler import Scheduler, SchedulerConfig, engine_batch_runner
+from .metrics import Metrics
 from .security import SecurityConfig, TokenAuth, load_tokens, server_credentials
 from .servicer import STREAM_WINDOW, LogitServeServicer
 
@@ -54,6 +56,7 @@ class ServerConfig:
     engine: EngineConfig = field(default_factory=EngineConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     security: SecurityConfig = field(default_factory=SecurityConfig)
+    metrics_port: Optional[int] = None  # Prometheus /metrics over HTTP on this port (0: a free one); None: off
 
     def __post_init__(self):
         if self.max_message_bytes < 64 << 10:
@@ -107,6 +110,12 @@ class Running:
     scheduler: Scheduler
     layout: Layout
     health: health_aio.HealthServicer   # asyncio's: a sync Watch would hold a thread that shutdown waits on
+    metrics: Optional[Metrics] = None
+    metrics_http: Optional[object] = None   # the /metrics HTTP server when --metrics-port is set
+
+    @property
+    def metrics_port(self) -> Optional[int]:
+        return self.metrics_http.server_port if self.metrics_http is not None else None
 
     async def set_serving(self, serving: bool) -> None:
         status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
@@ -117,6 +126,8 @@ class Running:
         await self.health.enter_graceful_shutdown()
         await self.server.stop(grace)
         self.scheduler.shutdown()
+        if self.metrics_http is not None:
+            self.metrics_http.shutdown()
 
 
 def memory_estimator(loaded: LoadedModel, config: ServerConfig, vocab_local: int, tp: int = 1, cp: int = 1,
@@ -152,7 +163,9 @@ async def create_server(loaded: LoadedModel, config: ServerConfig, layout: Optio
         run_batch = engine_batch_runner(engine.batch_steps)
     batching = batching or config.engine.batching
     estimate = estimate or memory_estimator(loaded, config, loaded.vocab_size, pack_tokens=pack_tokens)
-    scheduler = Scheduler(run_batch, config.scheduler, estimate=estimate, idle=idle)
+    metrics = Metrics()
+    scheduler = Scheduler(run_batch, config.scheduler, estimate=estimate, idle=idle, metrics=metrics)
+    metrics.bind_scheduler(scheduler)
     info = codec.encode_model_info(loaded, layout, config.max_message_bytes, logitserve.__version__, batching)
     sec = config.security
     server = grpc.aio.server(options=[
@@ -160,16 +173,19 @@ async def create_server(loaded: LoadedModel, config: ServerConfig, layout: Optio
         ("grpc.max_send_message_length", config.max_message_bytes),
     ], interceptors=[TokenAuth(load_tokens(sec.auth_token_file))] if sec.auth_token_file else None)
     pb_grpc.add_LogitServeServicer_to_server(
-        LogitServeServicer(scheduler, info, loaded.limits, config.max_message_bytes, loaded.text), server)
+        LogitServeServicer(scheduler, info, loaded.limits, config.max_message_bytes, loaded.text, metrics), server)
     health_servicer = health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection((SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+                                         reflection.SERVICE_NAME), server)
     credentials = server_credentials(sec)
     address = f"{config.host}:{config.port}"
     port = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
     if port == 0:
         raise OSError(f"cannot bind {config.host}:{config.port}")
     await server.start()
-    running = Running(server, port, scheduler, layout, health_servicer)
+    http = metrics.serve(config.metrics_port, config.host) if config.metrics_port is not None else None
+    running = Running(server, port, scheduler, layout, health_servicer, metrics, http)
     await running.set_serving(True)
     return running
 
@@ -192,6 +208,8 @@ async def _until_stopped(running: Running, config: ServerConfig, fatal: asyncio.
 def _announce(loaded: LoadedModel, config: ServerConfig, running: Running) -> None:
     log.info("serving %s (%s, %s) tp=%d cp=%d on %s:%d", loaded.name, loaded.content_hash, loaded.architecture,
              running.layout.tp, running.layout.cp, config.host, running.port)
+    if running.metrics_port is not None:
+        log.info("metrics on http://%s:%d/metrics", config.host, running.metrics_port)
     print(f"logitserve: serving {loaded.name} on {config.host}:{running.port}", flush=True)
 
 

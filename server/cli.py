@@ -43,6 +43,9 @@ def _serve_parser(sub) -> None:
     p.add_argument("--tls-key", help="PEM private key of --tls-cert")
     p.add_argument("--tls-client-ca", help="PEM CA bundle: mTLS, a client without a certificate it signed is refused")
     p.add_argument("--auth-token-file", help="bearer tokens, one per line: every RPC but health needs one")
+    p.add_argument("--metrics-port", type=int, default=None, help="Prometheus /metrics over HTTP on this port")
+    p.add_argument("--log-format", choices=["text", "json"], default="text",
+                   help="json: one object per line, with request_id, status, tokens and seconds per request")
 
 
 def _size(text: str) -> int:
@@ -84,7 +87,8 @@ def _client_parsers(sub) -> None:
     e.add_argument("--shape", choices=["demo", "body", "1b"], default="demo")
 
 
-SERVER_MODULES = ("torch", "transformers", "safetensors", "accelerate", "grpc_health")
+SERVER_MODULES = ("torch", "transformers", "safetensors", "accelerate", "grpc_health", "grpc_reflection",
+                  "prometheus_client")
 
 
 def _missing_server_extras() -> list[str]:
@@ -133,7 +137,7 @@ def _cmd_serve(args, argv: list[str]) -> int:
                           engine=EngineConfig(chunk_size=args.logprob_chunk_size, batching=Batching(args.batching),
                                               max_pack_tokens=args.max_batch_tokens), scheduler=scheduler,
                           security=SecurityConfig(args.tls_cert, args.tls_key, args.tls_client_ca,
-                                                  args.auth_token_file))
+                                                  args.auth_token_file), metrics_port=args.metrics_port)
     if under_torchrun():
         code = serve_rank(model, config, parallel)
         # The rank is done and its process groups destroyed; the interpreter's own teardown can still
@@ -210,7 +214,9 @@ def main(argv=None) -> int:
     _client_parsers(sub)
     argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    from .logs import configure
+
+    configure(getattr(args, "log_format", "text"))
     commands = {"serve": lambda a: _cmd_serve(a, argv), "info": _cmd_info, "query": _cmd_query,
                 "capture": _cmd_capture,
                 "export-demo": _cmd_export}

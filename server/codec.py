@@ -73,6 +73,15 @@ def decode_job(req: pb.ForwardRequest, texts_ids: Optional[tuple] = None) -> Job
                logprobs=logprobs, topk=topk, candidates=cands, full_logits=sl, scores=req.HasField("scores"))
 
 
+def outputs_of(job: Optional[Job]) -> tuple[str, ...]:
+    """The outputs a job asks for, as metric labels; ("none",) for a request that never became a job."""
+    if job is None:
+        return ("none",)
+    names = [n for n, on in (("logprobs", job.logprobs), ("topk", job.topk), ("candidates", job.candidates),
+                             ("full_logits", job.full_logits)) if on is not None]
+    return tuple(names + (["scores"] if job.scores else [])) or ("none",)
+
+
 def input_id_pieces(ids: tuple) -> list[Piece]:
     """A text request's ids as INPUT_IDS pieces, one [L] int32 per text."""
     return [Piece(OutputKind.INPUT_IDS, i, (len(x),), (0,), torch.from_numpy(np.ascontiguousarray(x)))

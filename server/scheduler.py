@@ -66,6 +66,7 @@ class _Ticket:
         self.results: asyncio.Queue = asyncio.Queue()
         self.credits = threading.Semaphore(max_pending if overlap else 1)
         self.cancelled = threading.Event()
+        self.admitted = time.monotonic()
 
     def cancel(self) -> None:
         self.cancelled.set()
@@ -91,8 +92,10 @@ class _Ticket:
 
 class Scheduler:
     def __init__(self, run_batch: BatchRun, config: SchedulerConfig = SchedulerConfig(),
-                 estimate: Optional[Callable[[Job], int]] = None, idle: Optional[Callable[[], None]] = None):
+                 estimate: Optional[Callable[[Job], int]] = None, idle: Optional[Callable[[], None]] = None,
+                 metrics=None):
         self._run_batch = run_batch
+        self._metrics = metrics      # server.metrics.Metrics, or None
         self.config = config
         self._estimate = estimate
         self._idle = idle
@@ -152,6 +155,11 @@ class Scheduler:
                 return
             self._queued_tokens -= ticket.tokens
 
+    def queue_length(self) -> int:
+        """Jobs waiting for a batch."""
+        with self._cond:
+            return len(self._queue)
+
     def queued_tokens(self) -> int:
         with self._cond:
             return self._queued_tokens
@@ -203,6 +211,14 @@ class Scheduler:
             return
         self.batches_run += 1
         stall = self.config.stall_timeout_s
+        started = time.monotonic()
+        if self._metrics is not None:
+            m = self._metrics
+            m.batch_requests.observe(sum(live))
+            m.batch_tokens.observe(sum(t.tokens for t, ok in zip(batch, live) if ok))
+            for t, ok in zip(batch, live):
+                if ok:
+                    m.queue_wait.observe(started - t.admitted)
         pieces = self._run_batch([t.job for t in batch], lambda i: not live[i] or batch[i].cancelled.is_set())
         try:
             for i, item in pieces:
@@ -225,6 +241,8 @@ class Scheduler:
                         pass
         finally:
             pieces.close()
+            if self._metrics is not None:
+                self._metrics.compute.observe(time.monotonic() - started)
         for i, t in enumerate(batch):
             if live[i]:
                 try:

@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import asyncio
+import logging
+import time
 
 import grpc
 
@@ -14,6 +16,7 @@ from . import codec
 from .scheduler import Scheduler
 from .status import to_status
 
+log = logging.getLogger("logitserve.requests")
 _FINISHED = object()
 # Response messages a stream may have queued ahead of the network: bounds memory per slow client.
 STREAM_WINDOW = 8
@@ -21,8 +24,9 @@ STREAM_WINDOW = 8
 
 class LogitServeServicer(pb_grpc.LogitServeServicer):
     def __init__(self, scheduler: Scheduler, info: pb.ModelInfoResponse, limits, max_message_bytes: int,
-                 text=None):
+                 text=None, metrics=None):
         self._scheduler = scheduler
+        self._metrics = metrics    # metrics.Metrics, or None
         self._text = text          # tokenizing.TextEncoder, or None: texts are refused
         self._info = info
         self._identity = codec.identity_of(info)
@@ -87,6 +91,13 @@ class LogitServeServicer(pb_grpc.LogitServeServicer):
 
     async def _serve_one(self, req: pb.ForwardRequest, emit, in_flight: dict, cancel_requested: set) -> None:
         rid = req.request_id
+        started, job, status = time.monotonic(), None, grpc.StatusCode.OK
+        if self._metrics is not None:
+            plain = emit
+
+            async def emit(msg):
+                self._metrics.bytes_sent.inc(msg.ByteSize())
+                await plain(msg)
         try:
             ids = await self._tokenize(req) if req.texts else None
             job = codec.decode_job(req, ids)
@@ -112,16 +123,32 @@ class LogitServeServicer(pb_grpc.LogitServeServicer):
                         n += 1
             await emit(codec.encode_done(rid, job, self._identity, n, self._info.batching))
         except asyncio.CancelledError:
+            status = grpc.StatusCode.CANCELLED
             if rid in cancel_requested:   # a cancel message, not the stream closing: say so, then end quietly
                 cancel_requested.discard(rid)
                 await emit(codec.encode_error(rid, grpc.StatusCode.CANCELLED, f"request {rid!r} cancelled by the client"))
                 return
             raise
         except TimeoutError:
+            status = grpc.StatusCode.DEADLINE_EXCEEDED
             await emit(codec.encode_error(rid, grpc.StatusCode.DEADLINE_EXCEEDED,
                                           f"timeout_s: request {rid!r} did not finish within {req.timeout_s:g} s"))
         except Exception as e:
-            code, message = to_status(e)
-            await emit(codec.encode_error(rid, code, message))
+            status, message = to_status(e)
+            await emit(codec.encode_error(rid, status, message))
         finally:
             in_flight.pop(rid, None)
+            self._account(rid, job, status, time.monotonic() - started)
+
+    def _account(self, rid: str, job, status: grpc.StatusCode, seconds: float) -> None:
+        """The request's access-log line (request id, status, tokens, time) and its metrics."""
+        tokens = job.num_tokens if job is not None else 0
+        log.info("request %s %s: %d tokens in %.3f s", rid, status.name, tokens, seconds,
+                 extra={"request_id": rid, "status": status.name, "tokens": tokens, "seconds": round(seconds, 6)})
+        if self._metrics is None:
+            return
+        for output in codec.outputs_of(job):
+            self._metrics.requests.labels(output=output, status=status.name).inc()
+        self._metrics.latency.observe(seconds)
+        if status == grpc.StatusCode.OK:
+            self._metrics.tokens.inc(tokens)
