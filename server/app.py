@@ -26,7 +26,7 @@ from . import codec
 from .scheduler import Scheduler, SchedulerConfig, engine_batch_runner
 from .metrics import Metrics
 from .security import SecurityConfig, TokenAuth, load_tokens, server_credentials
-from .servicer import STREAM_WINDOW, LogitServeServicer
+from .servicer import STREAM_WINDOW, LogitServeServicer, StreamLimits
 
 log = logging.getLogger("logitserve.server")
 SERVICE_NAME = "logitserve.v1.LogitServe"
@@ -57,6 +57,10 @@ class ServerConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     security: SecurityConfig = field(default_factory=SecurityConfig)
     metrics_port: Optional[int] = None  # Prometheus /metrics over HTTP on this port (0: a free one); None: off
+    limits: StreamLimits = field(default_factory=StreamLimits)
+    keepalive_s: float = 60.0           # pings on idle connections; a peer silent for keepalive_timeout_s is dropped
+    keepalive_timeout_s: float = 20.0
+    max_connection_idle_s: float = 3600.0   # a connection with no RPC for this long is closed (GOAWAY)
 
     def __post_init__(self):
         if self.max_message_bytes < 64 << 10:
@@ -112,6 +116,7 @@ class Running:
     health: health_aio.HealthServicer   # asyncio's: a sync Watch would hold a thread that shutdown waits on
     metrics: Optional[Metrics] = None
     metrics_http: Optional[object] = None   # the /metrics HTTP server when --metrics-port is set
+    servicer: Optional[LogitServeServicer] = None
 
     @property
     def metrics_port(self) -> Optional[int]:
@@ -123,7 +128,10 @@ class Running:
             await self.health.set(name, status)
 
     async def stop(self, grace: Optional[float]) -> None:
+        """NOT_SERVING and no new request at once; in-flight requests get `grace` seconds to finish."""
         await self.health.enter_graceful_shutdown()
+        if self.servicer is not None:
+            self.servicer.drain()
         await self.server.stop(grace)
         self.scheduler.shutdown()
         if self.metrics_http is not None:
@@ -171,9 +179,15 @@ async def create_server(loaded: LoadedModel, config: ServerConfig, layout: Optio
     server = grpc.aio.server(options=[
         ("grpc.max_receive_message_length", config.max_request_bytes),
         ("grpc.max_send_message_length", config.max_message_bytes),
+        ("grpc.keepalive_time_ms", int(config.keepalive_s * 1000)),
+        ("grpc.keepalive_timeout_ms", int(config.keepalive_timeout_s * 1000)),
+        ("grpc.http2.min_ping_interval_without_data_ms", 5000),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.max_connection_idle_ms", int(config.max_connection_idle_s * 1000)),
     ], interceptors=[TokenAuth(load_tokens(sec.auth_token_file))] if sec.auth_token_file else None)
-    pb_grpc.add_LogitServeServicer_to_server(
-        LogitServeServicer(scheduler, info, loaded.limits, config.max_message_bytes, loaded.text, metrics), server)
+    servicer = LogitServeServicer(scheduler, info, loaded.limits, config.max_message_bytes, loaded.text, metrics,
+                                  config.limits)
+    pb_grpc.add_LogitServeServicer_to_server(servicer, server)
     health_servicer = health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
@@ -185,7 +199,7 @@ async def create_server(loaded: LoadedModel, config: ServerConfig, layout: Optio
         raise OSError(f"cannot bind {config.host}:{config.port}")
     await server.start()
     http = metrics.serve(config.metrics_port, config.host) if config.metrics_port is not None else None
-    running = Running(server, port, scheduler, layout, health_servicer, metrics, http)
+    running = Running(server, port, scheduler, layout, health_servicer, metrics, http, servicer)
     await running.set_serving(True)
     return running
 

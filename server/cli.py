@@ -44,6 +44,13 @@ def _serve_parser(sub) -> None:
     p.add_argument("--tls-client-ca", help="PEM CA bundle: mTLS, a client without a certificate it signed is refused")
     p.add_argument("--auth-token-file", help="bearer tokens, one per line: every RPC but health needs one")
     p.add_argument("--metrics-port", type=int, default=None, help="Prometheus /metrics over HTTP on this port")
+    p.add_argument("--grace-s", type=float, default=5.0,
+                   help="on SIGTERM: NOT_SERVING and new requests UNAVAILABLE at once, in-flight ones get this long")
+    p.add_argument("--max-sequences-per-request", type=int, default=4096)
+    p.add_argument("--max-request-tokens", type=int, default=1 << 20)
+    p.add_argument("--max-streams", type=int, default=256, help="Forward streams open at once, server-wide")
+    p.add_argument("--max-in-flight-per-stream", type=int, default=256)
+    p.add_argument("--keepalive-s", type=float, default=60.0, help="ping idle connections; drop peers silent 20 s")
     p.add_argument("--log-format", choices=["text", "json"], default="text",
                    help="json: one object per line, with request_id, status, tokens and seconds per request")
 
@@ -114,6 +121,7 @@ def _cmd_serve(args, argv: list[str]) -> int:
     from .app import ModelConfig, ServerConfig, serve, serve_rank
     from .scheduler import SchedulerConfig
     from .security import SecurityConfig
+    from .servicer import StreamLimits
     from .launch import spawn_local, under_torchrun
 
     parallel = ParallelConfig(tp=args.tp, cp=args.cp, collective_timeout_s=args.collective_timeout,
@@ -137,7 +145,10 @@ def _cmd_serve(args, argv: list[str]) -> int:
                           engine=EngineConfig(chunk_size=args.logprob_chunk_size, batching=Batching(args.batching),
                                               max_pack_tokens=args.max_batch_tokens), scheduler=scheduler,
                           security=SecurityConfig(args.tls_cert, args.tls_key, args.tls_client_ca,
-                                                  args.auth_token_file), metrics_port=args.metrics_port)
+                                                  args.auth_token_file), metrics_port=args.metrics_port,
+                          grace_s=args.grace_s, keepalive_s=args.keepalive_s,
+                          limits=StreamLimits(args.max_sequences_per_request, args.max_request_tokens,
+                                              args.max_streams, args.max_in_flight_per_stream))
     if under_torchrun():
         code = serve_rank(model, config, parallel)
         # The rank is done and its process groups destroyed; the interpreter's own teardown can still

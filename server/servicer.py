@@ -4,10 +4,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from dataclasses import dataclass
 
 import grpc
 
-from logitserve.errors import InvalidRequest, NotSupported
+from logitserve.errors import InvalidRequest, NotSupported, OverLimit
 from logitserve.validate import validate_job
 from logitserve.v1 import logitserve_pb2 as pb
 from logitserve.v1 import logitserve_pb2_grpc as pb_grpc
@@ -22,9 +23,22 @@ _FINISHED = object()
 STREAM_WINDOW = 8
 
 
+@dataclass(frozen=True)
+class StreamLimits:
+    """Per-request and per-stream bounds, refused with RESOURCE_EXHAUSTED naming the flag."""
+
+    max_sequences: int = 4096            # sequences in one request (--max-sequences-per-request)
+    max_request_tokens: int = 1 << 20    # tokens in one request (--max-request-tokens)
+    max_streams: int = 256               # Forward streams open at once, server-wide (--max-streams)
+    max_in_flight: int = 256             # requests in flight on one stream (--max-in-flight-per-stream)
+
+
 class LogitServeServicer(pb_grpc.LogitServeServicer):
     def __init__(self, scheduler: Scheduler, info: pb.ModelInfoResponse, limits, max_message_bytes: int,
-                 text=None, metrics=None):
+                 text=None, metrics=None, stream_limits: StreamLimits = StreamLimits()):
+        self._stream_limits = stream_limits
+        self._streams: set[asyncio.Queue] = set()     # each open stream's outbox
+        self._draining = False
         self._scheduler = scheduler
         self._metrics = metrics    # metrics.Metrics, or None
         self._text = text          # tokenizing.TextEncoder, or None: texts are refused
@@ -36,7 +50,21 @@ class LogitServeServicer(pb_grpc.LogitServeServicer):
     async def ModelInfo(self, request, context):
         return self._info
 
+    def drain(self) -> None:
+        """Shutting down: new requests get UNAVAILABLE; each stream ends once its in-flight requests are done."""
+        self._draining = True
+        for out in self._streams:
+            out.put_nowait(_FINISHED)
+
     async def Forward(self, request_iterator, context):
+        refusal = ((grpc.StatusCode.UNAVAILABLE, "the server is shutting down") if self._draining else
+                   (grpc.StatusCode.RESOURCE_EXHAUSTED, f"streams: {len(self._streams)} open, the server's "
+                    f"--max-streams is {self._stream_limits.max_streams}; retry later or share a stream")
+                   if len(self._streams) >= self._stream_limits.max_streams else None)
+        if refusal is not None:       # a generator RPC ends with a status this way (abort() here gives INTERNAL)
+            context.set_code(refusal[0])
+            context.set_details(refusal[1])
+            return
         out: asyncio.Queue = asyncio.Queue()
         window = asyncio.Semaphore(STREAM_WINDOW)
         in_flight: dict[str, asyncio.Task] = {}
@@ -59,6 +87,10 @@ class LogitServeServicer(pb_grpc.LogitServeServicer):
                     code, message = to_status(InvalidRequest("request_id", f"{rid!r} is already in flight on this stream"))
                     await emit(codec.encode_error(rid, code, message))
                     continue
+                refusal = self._refusal(len(in_flight))
+                if refusal is not None:
+                    await emit(codec.encode_error(rid, *refusal))
+                    continue
                 task = asyncio.create_task(self._serve_one(req, emit, in_flight, cancel_requested))
                 in_flight[rid] = task
                 tasks.add(task)
@@ -67,19 +99,39 @@ class LogitServeServicer(pb_grpc.LogitServeServicer):
         # Done-callbacks run after a task is done, so each _FINISHED sees the state it announces.
         reader = asyncio.create_task(read())
         reader.add_done_callback(lambda _: out.put_nowait(_FINISHED))
+        self._streams.add(out)
         try:
             while True:
                 item = await out.get()
                 if item is _FINISHED:
-                    if reader.done() and not tasks and out.empty():
+                    if (reader.done() or self._draining) and not tasks and out.empty():
                         break
                     continue
                 window.release()
                 yield item
         finally:
+            self._streams.discard(out)
             reader.cancel()
             for t in list(tasks):
                 t.cancel()
+
+    def _refusal(self, in_flight: int):
+        """(code, message) when a new request on a stream must be refused before it is decoded."""
+        if self._draining:
+            return grpc.StatusCode.UNAVAILABLE, "the server is shutting down; retry on another replica"
+        if in_flight >= self._stream_limits.max_in_flight:
+            return (grpc.StatusCode.RESOURCE_EXHAUSTED, f"requests in flight: {in_flight} on this stream, the "
+                    f"server's --max-in-flight-per-stream is {self._stream_limits.max_in_flight}")
+        return None
+
+    def _check_size(self, job) -> None:
+        lim = self._stream_limits
+        if len(job.sequences) > lim.max_sequences:
+            raise OverLimit(f"sequences: {len(job.sequences)} in this request is over the server's "
+                            f"--max-sequences-per-request {lim.max_sequences}")
+        if job.num_tokens > lim.max_request_tokens:
+            raise OverLimit(f"sequences: {job.num_tokens} tokens in this request is over the server's "
+                            f"--max-request-tokens {lim.max_request_tokens}")
 
     async def _tokenize(self, req: pb.ForwardRequest) -> tuple:
         if req.sequences:
@@ -101,6 +153,7 @@ class LogitServeServicer(pb_grpc.LogitServeServicer):
         try:
             ids = await self._tokenize(req) if req.texts else None
             job = codec.decode_job(req, ids)
+            self._check_size(job)
             try:
                 validate_job(job, self._limits)
             except InvalidRequest as e:   # name the text, not the sequence it became
