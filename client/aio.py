@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
+import json
 from typing import Optional, Sequence
 
 import grpc
@@ -28,17 +30,51 @@ def _pem(value) -> Optional[bytes]:
 DEFAULT_MAX_RECEIVE = 64 << 20
 
 
+def service_config(load_balancing: str) -> str:
+    """gRPC service config: the load-balancing policy over the address's backends (`dns:///` names several),
+    and transparent retries of ModelInfo on UNAVAILABLE."""
+    return json.dumps({
+        "loadBalancingConfig": [{load_balancing: {}}],
+        "methodConfig": [{"name": [{"service": "logitserve.v1.LogitServe", "method": "ModelInfo"}],
+                          "retryPolicy": {"maxAttempts": 4, "initialBackoff": "0.1s", "maxBackoff": "2s",
+                                          "backoffMultiplier": 2, "retryableStatusCodes": ["UNAVAILABLE"]}}],
+    })
+
+
+class _Stream:
+    """One Forward call: its reader task and the requests in flight on it."""
+
+    def __init__(self, call):
+        self.call = call
+        self.pending: dict[str, tuple[Assembly, asyncio.Future]] = {}
+        self.write_lock = asyncio.Lock()   # grpc.aio allows one write at a time per stream
+        self.reader: Optional[asyncio.Task] = None
+
+    @property
+    def usable(self) -> bool:
+        return not self.call.done()
+
+
 class AsyncTeacherClient(OutputsMixin):
     """`async with AsyncTeacherClient("host:port") as c: lp = await c.logprobs([[1, 2, 3]])`."""
 
     def __init__(self, address: str, *, max_receive_bytes: int = DEFAULT_MAX_RECEIVE,
                  options: Sequence[tuple] = (), tls: bool = False, root_certificates=None,
-                 certificate_chain=None, private_key=None, token: Optional[str] = None):
+                 certificate_chain=None, private_key=None, token: Optional[str] = None, streams: int = 1,
+                 retries: int = 3, default_timeout_s: Optional[float] = None, load_balancing: str = "round_robin"):
         """TLS when `tls` or any certificate is given (PEM bytes or a file path; no root_certificates: the
         system's roots); `certificate_chain` + `private_key`: a client certificate for mTLS; `token`: sent
-        as `authorization: Bearer <token>` on every call."""
+        as `authorization: Bearer <token>` on every call.
+
+        `address` may name several replicas (`dns:///teacher.svc:50051`, `ipv4:10.0.0.1:50051,10.0.0.2:50051`):
+        requests go round-robin over `streams` streams, which the load balancer spreads over the replicas. A
+        request that fails UNAVAILABLE before any of its data arrived (a replica draining or lost) is sent
+        again, on a fresh stream, up to `retries` times. `default_timeout_s`: the server-side deadline of
+        requests that set none, and the deadline of model_info."""
+        if streams < 1 or retries < 0:
+            raise ValueError(f"streams={streams} must be >= 1 and retries={retries} >= 0")
         opts = [("grpc.max_receive_message_length", max_receive_bytes), ("grpc.max_send_message_length", -1),
-                *options]
+                ("grpc.service_config", service_config(load_balancing)), ("grpc.enable_retries", 1), *options]
         if tls or root_certificates or certificate_chain:
             creds = grpc.ssl_channel_credentials(_pem(root_certificates), _pem(private_key), _pem(certificate_chain))
             self._channel = grpc.aio.secure_channel(address, creds, options=opts)
@@ -46,12 +82,12 @@ class AsyncTeacherClient(OutputsMixin):
             self._channel = grpc.aio.insecure_channel(address, options=opts)
         self._metadata = (("authorization", f"Bearer {token}"),) if token else None
         self._stub = pb_grpc.LogitServeStub(self._channel)
-        self._call = None
-        self._reader: Optional[asyncio.Task] = None
-        self._pending: dict[str, tuple[Assembly, asyncio.Future]] = {}
+        self._streams: list[Optional[_Stream]] = [None] * streams
+        self._retired: set[_Stream] = set()      # streams left for new requests, still finishing their own
+        self._retries, self._default_timeout = retries, default_timeout_s
         self._ids = itertools.count()
+        self._turn = itertools.count()
         self._open_lock = asyncio.Lock()
-        self._write_lock = asyncio.Lock()   # grpc.aio allows one write at a time per stream
 
     async def __aenter__(self) -> "AsyncTeacherClient":
         return self
@@ -60,15 +96,16 @@ class AsyncTeacherClient(OutputsMixin):
         await self.close()
 
     async def close(self) -> None:
-        if self._call is not None:
-            self._call.cancel()
-        if self._reader is not None:
-            await asyncio.gather(self._reader, return_exceptions=True)
+        live = [s for s in self._streams if s is not None] + list(self._retired)
+        for s in live:
+            s.call.cancel()
+        await asyncio.gather(*(s.reader for s in live if s.reader is not None), return_exceptions=True)
         await self._channel.close()
 
     async def model_info(self, timeout: Optional[float] = None) -> ModelInfo:
         try:
-            return model_info_of(await self._stub.ModelInfo(pb.ModelInfoRequest(), timeout=timeout,
+            return model_info_of(await self._stub.ModelInfo(pb.ModelInfoRequest(),
+                                                            timeout=timeout or self._default_timeout,
                                                             metadata=self._metadata))
         except grpc.RpcError as e:
             raise LogitServeError.from_rpc(e) from None
@@ -79,73 +116,101 @@ class AsyncTeacherClient(OutputsMixin):
         return run()
 
     async def submit(self, seqs: Sequence, wanted: Wanted, bf16_as_torch: bool = False):
-        """Send one request on the shared stream and wait for its ForwardResult."""
+        """Send one request and wait for its ForwardResult; UNAVAILABLE before any data: sent again."""
+        if wanted.timeout_s is None and self._default_timeout is not None:
+            wanted = dataclasses.replace(wanted, timeout_s=self._default_timeout)
+        for attempt in itertools.count():
+            slot = next(self._turn) % len(self._streams)
+            try:
+                return await self._submit_once(slot, seqs, wanted, bf16_as_torch)
+            except _Retryable as e:
+                if attempt >= self._retries:
+                    raise e.error from None
+                await asyncio.sleep(min(2.0, 0.1 * 2 ** attempt))
+
+    async def _submit_once(self, slot: int, seqs: Sequence, wanted: Wanted, bf16_as_torch: bool):
         rid = f"r{next(self._ids)}"
         req = build_request(rid, seqs, wanted)
-        call = await self._stream()
+        stream = await self._stream(slot)
         fut = asyncio.get_running_loop().create_future()
-        self._pending[rid] = (Assembly(len(req.sequences) or len(req.texts), wanted_fields(req), bf16_as_torch), fut)
+        assembly = Assembly(len(req.sequences) or len(req.texts), wanted_fields(req), bf16_as_torch)
+        stream.pending[rid] = (assembly, fut)
         # A write interrupted half way would break the whole stream: a cancel during it lets it finish.
-        send = asyncio.ensure_future(self._write(call, req))
+        send = asyncio.ensure_future(self._write(stream, req))
         try:
             await asyncio.shield(send)
         except (grpc.RpcError, asyncio.InvalidStateError) as e:
-            self._pending.pop(rid, None)
-            if isinstance(e, grpc.RpcError):
-                raise LogitServeError.from_rpc(e) from None
-            raise LogitServeError(grpc.StatusCode.UNAVAILABLE, "stream closed") from None
+            stream.pending.pop(rid, None)
+            self._retire(slot, stream)
+            error = LogitServeError.from_rpc(e) if isinstance(e, grpc.RpcError) else \
+                LogitServeError(grpc.StatusCode.UNAVAILABLE, "stream closed")
+            raise _Retryable(error) if error.code == grpc.StatusCode.UNAVAILABLE else error from None
         except asyncio.CancelledError:
-            self._pending.pop(rid, None)
-            send.add_done_callback(lambda t: t.exception() is None and asyncio.ensure_future(self._cancel(call, rid)))
+            stream.pending.pop(rid, None)
+            send.add_done_callback(lambda t: t.exception() is None and asyncio.ensure_future(self._cancel(stream, rid)))
             raise
         try:
             return await fut
         except asyncio.CancelledError:
-            await self._cancel(call, rid)
+            await self._cancel(stream, rid)
+            raise
+        except LogitServeError as e:
+            if e.code == grpc.StatusCode.UNAVAILABLE and assembly.received == 0:
+                self._retire(slot, stream)       # a draining or lost replica: the next try opens a new stream
+                raise _Retryable(e) from None
             raise
         finally:
-            self._pending.pop(rid, None)
+            stream.pending.pop(rid, None)
 
-    async def _write(self, call, req: pb.ForwardRequest) -> None:
-        async with self._write_lock:
-            await call.write(req)
+    def _retire(self, slot: int, stream: _Stream) -> None:
+        if self._streams[slot] is stream:
+            self._streams[slot] = None
+            if stream.usable and stream.pending:
+                self._retired.add(stream)        # let its other requests finish there
+            elif stream.usable:
+                stream.call.cancel()
 
-    async def _cancel(self, call, rid: str) -> None:
+    async def _write(self, stream: _Stream, req: pb.ForwardRequest) -> None:
+        async with stream.write_lock:
+            await stream.call.write(req)
+
+    async def _cancel(self, stream: _Stream, rid: str) -> None:
         """Tell the server, so the request's queued work is dropped and its memory freed."""
-        if not call.done():
+        if stream.usable:
             try:
-                await asyncio.shield(self._write(call, pb.ForwardRequest(request_id=rid, cancel=True)))
+                await asyncio.shield(self._write(stream, pb.ForwardRequest(request_id=rid, cancel=True)))
             except (grpc.RpcError, asyncio.InvalidStateError, asyncio.CancelledError):
                 pass
 
-    async def _stream(self):
+    async def _stream(self, slot: int) -> _Stream:
         async with self._open_lock:
-            if self._call is None or self._call.done():
-                self._call = self._stub.Forward(metadata=self._metadata)
-                self._reader = asyncio.create_task(self._read(self._call))
-            return self._call
+            stream = self._streams[slot]
+            if stream is None or not stream.usable:
+                stream = _Stream(self._stub.Forward(metadata=self._metadata))
+                stream.reader = asyncio.create_task(self._read(stream))
+                self._streams[slot] = stream
+            return stream
 
-    async def _read(self, call) -> None:
+    async def _read(self, stream: _Stream) -> None:
         error = LogitServeError(grpc.StatusCode.UNAVAILABLE, "the stream ended before the request completed")
         try:
             while True:
-                resp = await call.read()
+                resp = await stream.call.read()
                 if resp is grpc.aio.EOF:
                     break
-                self._dispatch(resp)
+                self._dispatch(stream, resp)
         except grpc.RpcError as e:
             error = LogitServeError.from_rpc(e)
         except asyncio.CancelledError:
             error = LogitServeError(grpc.StatusCode.CANCELLED, "client closed")
         finally:
-            if self._call is call:
-                self._call = None
-            for _, fut in list(self._pending.values()):
+            self._retired.discard(stream)
+            for _, fut in list(stream.pending.values()):
                 if not fut.done():
                     fut.set_exception(error)
 
-    def _dispatch(self, resp: pb.ForwardResponse) -> None:
-        entry = self._pending.get(resp.request_id)
+    def _dispatch(self, stream: _Stream, resp: pb.ForwardResponse) -> None:
+        entry = stream.pending.get(resp.request_id)
         if entry is None or entry[1].done():
             return  # a request this client gave up on
         assembly, fut = entry
@@ -159,3 +224,11 @@ class AsyncTeacherClient(OutputsMixin):
                 fut.set_exception(LogitServeError.from_code(resp.error.code, resp.error.message))
         except LogitServeError as e:
             fut.set_exception(e)
+
+
+class _Retryable(Exception):
+    """A request's UNAVAILABLE before any of its data arrived: safe to send again (outputs are pure)."""
+
+    def __init__(self, error: LogitServeError):
+        super().__init__(str(error))
+        self.error = error

@@ -87,6 +87,11 @@ class Assembly:
         self._targets: dict[tuple[int, int], _Target] = {}
         self._chunks = 0
 
+    @property
+    def received(self) -> int:
+        """Chunks arrived so far."""
+        return self._chunks
+
     def add(self, chunk: pb.TensorChunk) -> None:
         self._chunks += 1
         key = (chunk.output, chunk.sequence)
