@@ -42,5 +42,8 @@ WORKDIR /home/logitserve
 RUN python -c "from logitserve.demo import demo_dir; demo_dir('causal'); demo_dir('reward')"
 
 EXPOSE 50051
+# grpc.health.v1 on the serving port: SERVING once the model is loaded, NOT_SERVING while draining.
+HEALTHCHECK --interval=15s --timeout=5s --start-period=600s --retries=3 \
+    CMD ["logitserve", "health", "127.0.0.1:50051"]
 ENTRYPOINT ["logitserve"]
 CMD ["serve", "--host", "0.0.0.0", "--port", "50051"]

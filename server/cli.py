@@ -75,6 +75,9 @@ def _client_parsers(sub) -> None:
     given.add_argument("--text", help="a text for the server to tokenize with the model's tokenizer")
     q.add_argument("--topk", type=int, default=5)
     q.add_argument("--temperature", type=float, default=1.0)
+    h = sub.add_parser("health", help="exit 0 when a server's grpc.health.v1 says SERVING (for HEALTHCHECK)")
+    h.add_argument("address", nargs="?", default="127.0.0.1:50051")
+    h.add_argument("--timeout", type=float, default=5.0)
     c = sub.add_parser("capture", help="capture a teacher's top-k for a jsonl dataset into safetensors shards")
     c.add_argument("address")
     c.add_argument("--input", required=True, help='jsonl: {"ids": [...]} or {"text": "..."} per line')
@@ -189,6 +192,21 @@ def _cmd_query(args) -> int:
     return 0
 
 
+def _cmd_health(args) -> int:
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with grpc.insecure_channel(args.address) as ch:
+        try:
+            status = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=args.timeout).status
+        except grpc.RpcError as e:
+            print(f"{args.address}: {e.code().name}", file=sys.stderr)
+            return 1
+    name = health_pb2.HealthCheckResponse.ServingStatus.Name(status)
+    print(f"{args.address}: {name}")
+    return 0 if status == health_pb2.HealthCheckResponse.SERVING else 1
+
+
 def _cmd_capture(args) -> int:
     import time
     from pathlib import Path
@@ -229,7 +247,7 @@ def main(argv=None) -> int:
 
     configure(getattr(args, "log_format", "text"))
     commands = {"serve": lambda a: _cmd_serve(a, argv), "info": _cmd_info, "query": _cmd_query,
-                "capture": _cmd_capture,
+                "capture": _cmd_capture, "health": _cmd_health,
                 "export-demo": _cmd_export}
     try:
         return commands[args.command](args)
