@@ -20,16 +20,19 @@ from logitserve.engine import Batching, Engine, EngineConfig
 from logitserve.layout import Layout, single_process
 from logitserve.loading import LoadedModel, content_hash, load_model
 from logitserve.parallel import ParallelConfig
+from logitserve.kserve import grpc_predict_v2_pb2_grpc as kpb_grpc
 from logitserve.v1 import logitserve_pb2_grpc as pb_grpc
 
 from . import codec
 from .scheduler import Scheduler, SchedulerConfig, engine_batch_runner
+from .kserve import KServeServicer
 from .metrics import Metrics
 from .security import SecurityConfig, TokenAuth, load_tokens, server_credentials
 from .servicer import STREAM_WINDOW, LogitServeServicer, StreamLimits
 
 log = logging.getLogger("logitserve.server")
 SERVICE_NAME = "logitserve.v1.LogitServe"
+KSERVE_SERVICE = "inference.GRPCInferenceService"
 
 
 @dataclass(frozen=True)
@@ -188,10 +191,12 @@ async def create_server(loaded: LoadedModel, config: ServerConfig, layout: Optio
     servicer = LogitServeServicer(scheduler, info, loaded.limits, config.max_message_bytes, loaded.text, metrics,
                                   config.limits)
     pb_grpc.add_LogitServeServicer_to_server(servicer, server)
+    kpb_grpc.add_GRPCInferenceServiceServicer_to_server(
+        KServeServicer(scheduler, loaded, logitserve.__version__, ready=lambda: not servicer.draining), server)
     health_servicer = health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-                                         reflection.SERVICE_NAME), server)
+                                         KSERVE_SERVICE, reflection.SERVICE_NAME), server)
     credentials = server_credentials(sec)
     address = f"{config.host}:{config.port}"
     port = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)

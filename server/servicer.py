@@ -50,6 +50,10 @@ class LogitServeServicer(pb_grpc.LogitServeServicer):
     async def ModelInfo(self, request, context):
         return self._info
 
+    @property
+    def draining(self) -> bool:
+        return self._draining
+
     def drain(self) -> None:
         """Shutting down: new requests get UNAVAILABLE; each stream ends once its in-flight requests are done."""
         self._draining = True

@@ -10,6 +10,42 @@ from conftest import CliServer
 
 ROOT = Path(__file__).parent.parent
 
+# tritonclient's own InferenceServerClient against the KServe v2 endpoint, checked against the native API
+# (itself checked against float64 transformers elsewhere), in the environment that holds both.
+TRITON = """
+import numpy as np, tritonclient.grpc as tg
+from logitserve.client import TeacherClient
+c = tg.InferenceServerClient("ADDR")
+assert c.is_server_live() and c.is_server_ready()
+name = c.get_model_metadata("").name
+assert c.is_model_ready(name) and c.get_server_metadata().name == "logitserve"
+ids = np.array([[1, 5, 9, 200, 7, 7], [1, 3, 4, 5, 0, 0]], np.int32)
+lens = np.array([6, 4], np.int32)
+inputs = [tg.InferInput("input_ids", list(ids.shape), "INT32"), tg.InferInput("sequence_lengths", [2], "INT32")]
+inputs[0].set_data_from_numpy(ids)
+inputs[1].set_data_from_numpy(lens)
+outs = [tg.InferRequestedOutput(n) for n in ("token_logprobs", "topk_values", "topk_ids", "topk_tail")]
+r = c.infer(name, inputs, outputs=outs, parameters={"k": 5, "topk_as_logprobs": True, "temperature": 0.7})
+half = c.infer(name, inputs, outputs=[tg.InferRequestedOutput("topk_values")],
+               parameters={"k": 5, "topk_as_logprobs": True, "temperature": 0.7, "topk_dtype": "BF16"})
+with TeacherClient("ADDR") as t:
+    n = t.forward([ids[0, :6], ids[1, :4]], logprobs=True, topk=5, topk_as_logprobs=True, topk_tail=True,
+                  temperature=0.7)
+for b, L in enumerate(lens):
+    assert np.abs(r.as_numpy("token_logprobs")[b, :L] - n.logprobs[b]).max() <= 1e-5
+    assert np.abs(r.as_numpy("topk_values")[b, :L] - n.topk_values[b]).max() <= 1e-5
+    assert np.abs(r.as_numpy("topk_tail")[b, :L] - n.topk_tail[b]).max() <= 1e-5
+    assert (r.as_numpy("topk_ids")[b, :L] == n.topk_ids[b]).mean() > 0.95
+    bf = half.as_numpy("topk_values")[b, :L].astype(np.float32)
+    assert np.abs(bf - n.topk_values[b]).max() <= np.abs(n.topk_values[b]).max() * 2 ** -8 + 1e-5
+try:
+    c.infer(name, inputs, outputs=[tg.InferRequestedOutput("topk_ids")])
+    raise SystemExit("no error for a top-k without k")
+except tg.InferenceServerException as e:
+    assert "parameters[k]" in e.message(), e.message()
+print("tritonclient ok")
+"""
+
 
 def test_client_and_server_work_beside_tritonclient(tmp_path):
     env = tmp_path / "venv"
@@ -30,5 +66,9 @@ def test_client_and_server_work_beside_tritonclient(tmp_path):
         out = subprocess.run([python, "-c", code], capture_output=True, text=True, timeout=120)
         assert out.returncode == 0, out.stderr[-2000:]
         assert out.stdout.strip().startswith("6."), out.stdout          # tritonclient kept its protobuf
+        triton = subprocess.run([python, "-c", TRITON.replace("ADDR", server.address)], capture_output=True,
+                                text=True, timeout=120)
+        assert triton.returncode == 0, triton.stdout[-2000:] + triton.stderr[-2000:]
+        assert "tritonclient ok" in triton.stdout
     finally:
         assert server.stop() == 0

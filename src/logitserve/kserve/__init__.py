@@ -1,0 +1,1 @@
+"""Generated stubs of the KServe v2 / Open Inference Protocol gRPC service (proto/logitserve/kserve)."""
