@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import signal
 import time
@@ -26,6 +27,7 @@ from logitserve.v1 import logitserve_pb2_grpc as pb_grpc
 from . import codec
 from .scheduler import Scheduler, SchedulerConfig, engine_batch_runner
 from .kserve import KServeServicer
+from .loading_probe import LoadingProbe
 from .metrics import Metrics
 from .security import SecurityConfig, TokenAuth, load_tokens, server_credentials
 from .servicer import STREAM_WINDOW, LogitServeServicer, StreamLimits
@@ -187,6 +189,7 @@ async def create_server(loaded: LoadedModel, config: ServerConfig, layout: Optio
         ("grpc.http2.min_ping_interval_without_data_ms", 5000),
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.max_connection_idle_ms", int(config.max_connection_idle_s * 1000)),
+        ("grpc.so_reuseport", 1),          # beside the loading probe (loading_probe.py) on the same port
     ], interceptors=[TokenAuth(load_tokens(sec.auth_token_file))] if sec.auth_token_file else None)
     servicer = LogitServeServicer(scheduler, info, loaded.limits, config.max_message_bytes, loaded.text, metrics,
                                   config.limits)
@@ -232,10 +235,21 @@ def _announce(loaded: LoadedModel, config: ServerConfig, running: Running) -> No
     print(f"logitserve: serving {loaded.name} on {config.host}:{running.port}", flush=True)
 
 
+def _loading_probe(config: ServerConfig) -> tuple[LoadingProbe, ServerConfig]:
+    """Health NOT_SERVING on the port while loading; the config with the port it bound (for --port 0)."""
+    probe = LoadingProbe(config.host, config.port, config.security, SERVICE_NAME)
+    print(f"logitserve: loading on {config.host}:{probe.port} (health NOT_SERVING until ready)", flush=True)
+    return probe, dataclasses.replace(config, port=probe.port)
+
+
 async def serve(model: ModelConfig, config: ServerConfig) -> int:
     """One process, one rank: load, serve until SIGINT/SIGTERM, then drain for config.grace_s."""
-    loaded = load(model)
-    running = await create_server(loaded, config)
+    probe, config = _loading_probe(config)
+    try:
+        loaded = load(model)
+        running = await create_server(loaded, config)
+    finally:
+        probe.close()
     _announce(loaded, config, running)
     await _until_stopped(running, config, asyncio.Event())
     return 0
@@ -249,18 +263,23 @@ def serve_rank(model: ModelConfig, config: ServerConfig, parallel: ParallelConfi
     from logitserve.parallel import gather_layout, init_parallel
 
     ctx = init_parallel(parallel)
+    probe = None
     try:
+        if ctx.is_root:
+            probe, config = _loading_probe(config)
         loaded, shard = load_rank(model, ctx)
         engine = Engine(loaded, config.engine, shard, ctx)
         layout = gather_layout(ctx)
         if not ctx.is_root:
             follow(engine, ctx)
             return 0
-        return asyncio.run(_serve_root(loaded, engine, ctx, layout, config))
+        return asyncio.run(_serve_root(loaded, engine, ctx, layout, config, probe))
     except Exception:
         log.exception("rank %d failed", ctx.rank)
         return 1
     finally:
+        if probe is not None:
+            probe.close()
         if dist.is_initialized():
             try:
                 dist.destroy_process_group()
@@ -268,7 +287,7 @@ def serve_rank(model: ModelConfig, config: ServerConfig, parallel: ParallelConfi
                 pass
 
 
-async def _serve_root(loaded, engine, ctx, layout: Layout, config: ServerConfig) -> int:
+async def _serve_root(loaded, engine, ctx, layout: Layout, config: ServerConfig, probe=None) -> int:
     from logitserve.distributed import DistributedRunner
 
     loop = asyncio.get_running_loop()
@@ -277,6 +296,8 @@ async def _serve_root(loaded, engine, ctx, layout: Layout, config: ServerConfig)
     estimate = memory_estimator(loaded, config, engine.shard.size, ctx.tp, ctx.cp, engine.pack_tokens)
     running = await create_server(loaded, config, layout, run_batch=runner.run_batch, idle=runner.heartbeat,
                                   estimate=estimate, batching=engine.batching)
+    if probe is not None:
+        probe.close()
     _announce(loaded, config, running)
 
     await _until_stopped(running, config, fatal)   # a lost rank: health goes NOT_SERVING as the server stops

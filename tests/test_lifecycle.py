@@ -75,3 +75,32 @@ def test_request_and_stream_limits_name_the_flag(model_dirs):
             assert c.logprobs([[1, 2, 3]])[0].shape == (3,)
     finally:
         server.stop()
+
+
+def test_health_says_not_serving_while_the_model_loads(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "LOGITSERVE_CACHE": str(tmp_path)}               # the body demo is built first: seconds
+    proc = subprocess.Popen([sys.executable, "-m", "logitserve.server.cli", "serve", "--host", "127.0.0.1",
+                             "--port", "0", "--demo-shape", "body"], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env=env)
+    seen = []
+    try:
+        for line in proc.stdout:
+            if line.startswith("logitserve: loading on"):
+                address = line.split()[3]
+                with grpc.insecure_channel(address) as ch:
+                    seen.append(health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(),
+                                                                      timeout=10).status)
+            if line.startswith("logitserve: serving"):
+                assert line.split()[-1] == address                              # the same port throughout
+                with grpc.insecure_channel(address) as ch:
+                    seen.append(health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(),
+                                                                      timeout=10).status)
+                break
+        assert seen == [health_pb2.HealthCheckResponse.NOT_SERVING, health_pb2.HealthCheckResponse.SERVING]
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
