@@ -254,3 +254,29 @@ def test_cancelled_queued_job_frees_its_queue_tokens_at_once():
     finally:
         gate.set()
         scheduler.shutdown()
+
+
+def test_a_stream_that_stops_reading_loses_its_request_not_the_server(model_dirs):
+    """--stall-timeout: a client that never reads a big response is dropped after the timeout; the compute
+    thread moves on, others are served, and the stalled request ends with RESOURCE_EXHAUSTED."""
+    server = serve_dir(model_dirs["llama"], max_message_bytes=64 << 10,
+                       scheduler=SchedulerConfig(stall_timeout_s=1.0, max_pending=2, batch_delay_s=0.0))
+    big = pb.ForwardRequest(request_id="big")
+    for s in random_seqs(np.random.default_rng(9), [500] * 16, vocab=VOCAB):   # 32 MB of full logits
+        big.sequences.add(dtype=pb.INT32, shape=[len(s)], data=np.asarray(s, "<i4").tobytes())
+    big.full_logits.SetInParent()
+    try:
+        with grpc.insecure_channel(server.address, options=[("grpc.max_receive_message_length", -1)]) as ch:
+            stalled = pb_grpc.LogitServeStub(ch).Forward(iter([big]))       # sent, never read (for now)
+            time.sleep(1.0)
+            t0 = time.monotonic()
+            with TeacherClient(server.address) as c:
+                lp = c.logprobs([[1, 2, 3]])
+            waited = time.monotonic() - t0
+            assert lp[0].shape == (3,) and waited < 30
+            ends = [m.error for m in stalled if m.HasField("error")]         # now read what it left
+        assert len(ends) == 1 and ends[0].code == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
+        assert "stall_timeout_s=1" in ends[0].message
+        assert server.running.scheduler.queued_tokens() == 0
+    finally:
+        server.stop()
