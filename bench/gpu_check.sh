@@ -19,6 +19,10 @@ layouts="1x1"
 echo "== fp32 equality with NCCL, layouts $layouts"
 LOGITSERVE_TEST_DEVICE=cuda LOGITSERVE_TEST_LAYOUTS=$layouts \
   $PY -m pytest -q -ra tests/test_parallel_serving.py -k "every_output or filters"
+if [ "$n" -ge 2 ]; then
+  echo "== sharded loading + TP plans from transformers with NCCL: the architecture matrix at TP 2"
+  LOGITSERVE_TEST_DEVICE=cuda $PY -m pytest -q -ra tests/test_architectures.py -k "tp2"
+fi
 echo "== bf16 consistency, layouts $layouts"
 $PY bench/gpu_check.py --device cuda --layouts "$layouts,1x1:exact"
 echo "== throughput by batch shape, CUDA bf16, 1b shape"

@@ -85,6 +85,8 @@ class CliServer:
     """`logitserve serve` in its own process, as a user starts it."""
 
     def __init__(self, *args: str, python: str = sys.executable):
+        if "--device" not in args:   # CPU unless asked (bench/gpu_check.sh sets LOGITSERVE_TEST_DEVICE=cuda)
+            args = (*args, "--device", os.environ.get("LOGITSERVE_TEST_DEVICE", "cpu"))
         self.proc = subprocess.Popen([python, "-m", "logitserve.server.cli", "serve", "--host", "127.0.0.1",
                                       "--port", "0", *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      text=True)
