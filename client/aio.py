@@ -142,7 +142,7 @@ class AsyncTeacherClient(OutputsMixin):
         except (grpc.RpcError, asyncio.InvalidStateError) as e:
             stream.pending.pop(rid, None)
             self._retire(slot, stream)
-            error = LogitServeError.from_rpc(e) if isinstance(e, grpc.RpcError) else \
+            error = _stream_error(e) if isinstance(e, grpc.RpcError) else \
                 LogitServeError(grpc.StatusCode.UNAVAILABLE, "stream closed")
             raise _Retryable(error) if error.code == grpc.StatusCode.UNAVAILABLE else error from None
         except asyncio.CancelledError:
@@ -200,7 +200,7 @@ class AsyncTeacherClient(OutputsMixin):
                     break
                 self._dispatch(stream, resp)
         except grpc.RpcError as e:
-            error = LogitServeError.from_rpc(e)
+            error = _stream_error(e)
         except asyncio.CancelledError:
             error = LogitServeError(grpc.StatusCode.CANCELLED, "client closed")
         finally:
@@ -224,6 +224,21 @@ class AsyncTeacherClient(OutputsMixin):
                 fut.set_exception(LogitServeError.from_code(resp.error.code, resp.error.message))
         except LogitServeError as e:
             fut.set_exception(e)
+
+
+# What grpc.aio sets as the call's status when a write finds the call already ended in gRPC core.
+_CORE_WRITE_FAILURE = "Internal error from Core"
+
+
+def _stream_error(e: grpc.RpcError) -> LogitServeError:
+    """A stream-level failure as the client reports it. grpc.aio turns a write onto a call that the server
+    or the connection has just ended into INTERNAL "Internal error from Core", hiding the status the server
+    sent; that is a lost stream, reported (and retried) as UNAVAILABLE."""
+    error = LogitServeError.from_rpc(e)
+    if error.code == grpc.StatusCode.INTERNAL and error.details.startswith(_CORE_WRITE_FAILURE):
+        return LogitServeError(grpc.StatusCode.UNAVAILABLE, f"the stream ended while a request was being sent "
+                                                           f"({error.details})")
+    return error
 
 
 class _Retryable(Exception):

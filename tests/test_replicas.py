@@ -2,6 +2,8 @@
 others, default deadlines."""
 from __future__ import annotations
 
+import asyncio
+
 import grpc
 import numpy as np
 import pytest
@@ -42,3 +44,63 @@ def test_default_deadline_and_argument_checks(llama_server):
         assert c.logprobs([[1, 2, 3]])[0].shape == (3,)                   # a generous default changes nothing
     with pytest.raises(ValueError, match="streams=0"):
         TeacherClient(llama_server.address, streams=0)
+
+
+class _EndedCall:
+    """A Forward call that gRPC core has already ended when the request is written: grpc.aio then sets the
+    call's status to INTERNAL "Internal error from Core" and raises it from write() and read()."""
+
+    def __init__(self):
+        self.error = grpc.aio.AioRpcError(grpc.StatusCode.INTERNAL, grpc.aio.Metadata(), grpc.aio.Metadata(),
+                                          details="Internal error from Core")
+        self.ended = asyncio.Event()
+
+    async def write(self, _request):
+        self.ended.set()
+        raise self.error
+
+    async def read(self):
+        await self.ended.wait()
+        raise self.error
+
+    def done(self) -> bool:
+        return self.ended.is_set()
+
+    def cancel(self) -> bool:
+        self.ended.set()
+        return True
+
+
+class _FirstCallsEnded:
+    """The real stub, except that its first `n` Forward calls are `_EndedCall`s."""
+
+    def __init__(self, stub, n: int):
+        self.stub, self.n, self.calls = stub, n, []
+
+    def __getattr__(self, name):
+        return getattr(self.stub, name)
+
+    def Forward(self, **kwargs):
+        if len(self.calls) < self.n:
+            self.calls.append(_EndedCall())
+            return self.calls[-1]
+        return self.stub.Forward(**kwargs)
+
+
+def test_a_write_onto_an_ended_stream_is_unavailable_and_retried(llama_server):
+    """The lost-rank race: the server ends the stream while the client writes a request onto it. The request
+    never arrived, so it is sent again on a fresh stream; with no retries left it fails UNAVAILABLE, never
+    INTERNAL."""
+    seqs = random_seqs(np.random.default_rng(5), [7, 30], vocab=VOCAB)
+    with TeacherClient(llama_server.address) as c:
+        want = c.logprobs(seqs)
+    with TeacherClient(llama_server.address, retries=2) as c:
+        c._aio._stub = stub = _FirstCallsEnded(c._aio._stub, 2)
+        got = c.logprobs(seqs)
+        assert len(stub.calls) == 2 and all(np.array_equal(x, y) for x, y in zip(got, want))
+    with TeacherClient(llama_server.address, retries=0) as c:
+        c._aio._stub = _FirstCallsEnded(c._aio._stub, 1)
+        with pytest.raises(LogitServeError) as e:
+            c.logprobs(seqs)
+        assert e.value.code == grpc.StatusCode.UNAVAILABLE and "Internal error from Core" in e.value.details
+        assert all(np.array_equal(x, y) for x, y in zip(c.logprobs(seqs), want))   # the next stream is real
