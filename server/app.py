@@ -195,7 +195,7 @@ async def create_server(loaded: LoadedModel, config: ServerConfig, layout: Optio
                                   config.limits)
     pb_grpc.add_LogitServeServicer_to_server(servicer, server)
     kpb_grpc.add_GRPCInferenceServiceServicer_to_server(
-        KServeServicer(scheduler, loaded, logitserve.__version__, ready=lambda: not servicer.draining), server)
+        KServeServicer(scheduler, loaded, logitserve.__version__, servicer, metrics), server)
     health_servicer = health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,

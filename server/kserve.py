@@ -13,18 +13,20 @@ Rows past a sequence's length are 0. Tensors travel raw (BF16 as its 2-byte bits
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Optional
 
 import grpc
 import numpy as np
 import torch
 
-from logitserve.errors import InvalidRequest
+from logitserve.errors import InvalidRequest, Unavailable
 from logitserve.kserve import grpc_predict_v2_pb2 as kpb
 from logitserve.kserve import grpc_predict_v2_pb2_grpc as kpb_grpc
 from logitserve.spec import Job, LogprobsOpts, ModelKind, OutputKind, SliceOpts, TopKOpts, WireDType
 from logitserve.validate import validate_job
 
+from .metrics import account
 from .status import to_status
 
 OUTPUTS = {"token_logprobs": OutputKind.TOKEN_LOGPROBS, "topk_values": OutputKind.TOPK_VALUES,
@@ -34,6 +36,9 @@ OUTPUTS = {"token_logprobs": OutputKind.TOKEN_LOGPROBS, "topk_values": OutputKin
 _WIRE = {"FP32": WireDType.FP32, "BF16": WireDType.BF16, "FP16": WireDType.FP16}
 _KS_DTYPE = {torch.float32: "FP32", torch.bfloat16: "BF16", torch.float16: "FP16", torch.int32: "INT32"}
 _NP_IN = {"INT32": "<i4", "INT64": "<i8"}
+_CONFIG_TYPE = {"INT32": kpb.TYPE_INT32, "FP32": kpb.TYPE_FP32}
+REQUEST_PARAMETERS = ("k", "temperature", "top_k", "top_p", "topk_as_logprobs", "topk_dtype", "seq_start",
+                      "seq_end", "vocab_start", "vocab_end", "timeout_s")
 
 
 def _param(params, name: str, default=None):
@@ -132,8 +137,16 @@ class _Dense:
 
 
 class KServeServicer(kpb_grpc.GRPCInferenceServiceServicer):
-    def __init__(self, scheduler, loaded, version: str, ready):
-        self._scheduler, self._loaded, self._version, self._ready = scheduler, loaded, version, ready
+    """The KServe face of the same scheduler; `native` (the LogitServe servicer) owns draining and the
+    per-request limits, `metrics` counts these requests beside the native ones."""
+
+    def __init__(self, scheduler, loaded, version: str, native, metrics=None):
+        self._scheduler, self._loaded, self._version = scheduler, loaded, version
+        self._native, self._metrics = native, metrics
+        self._ids = iter(range(1 << 62))
+
+    def _ready(self) -> bool:
+        return not self._native.draining
 
     async def ServerLive(self, request, context):
         return kpb.ServerLiveResponse(live=True)
@@ -147,32 +160,95 @@ class KServeServicer(kpb_grpc.GRPCInferenceServiceServicer):
     async def ServerMetadata(self, request, context):
         return kpb.ServerMetadataResponse(name="logitserve", version=self._version, extensions=["logprobs"])
 
-    async def ModelMetadata(self, request, context):
-        if request.name not in ("", self._loaded.name):
-            await context.abort(grpc.StatusCode.NOT_FOUND, f"name: model {request.name!r} is not served here; "
+    async def _check_name(self, name: str, context) -> None:
+        if name not in ("", self._loaded.name):
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"name: model {name!r} is not served here; "
                                                            f"this server holds {self._loaded.name!r}")
+
+    def _tensors(self) -> tuple[list, list]:
+        """(inputs, outputs) as (name, datatype, shape, optional); -1: any size."""
+        inputs = [("input_ids", "INT32", [-1, -1], False), ("sequence_lengths", "INT32", [-1], True),
+                  ("candidate_ids", "INT32", [-1, -1, -1], True)]
+        if self._loaded.kind is ModelKind.REWARD:
+            return inputs, [("scores", "FP32", [-1, self._loaded.num_labels], True)]
+        return inputs, [("token_logprobs", "FP32", [-1, -1], True), ("topk_values", "FP32", [-1, -1, -1], True),
+                        ("topk_ids", "INT32", [-1, -1, -1], True), ("topk_tail", "FP32", [-1, -1], True),
+                        ("candidate_logprobs", "FP32", [-1, -1, -1], True),
+                        ("full_logits", "FP32", [-1, -1, -1], True)]
+
+    async def ModelMetadata(self, request, context):
+        await self._check_name(request.name, context)
         T = kpb.ModelMetadataResponse.TensorMetadata
-        inputs = [T(name="input_ids", datatype="INT32", shape=[-1, -1]),
-                  T(name="sequence_lengths", datatype="INT32", shape=[-1]),
-                  T(name="candidate_ids", datatype="INT32", shape=[-1, -1, -1])]
-        outputs = ([T(name="scores", datatype="FP32", shape=[-1, self._loaded.num_labels])]
-                   if self._loaded.kind is ModelKind.REWARD else
-                   [T(name="token_logprobs", datatype="FP32", shape=[-1, -1]),
-                    T(name="topk_values", datatype="FP32", shape=[-1, -1, -1]),
-                    T(name="topk_ids", datatype="INT32", shape=[-1, -1, -1]),
-                    T(name="topk_tail", datatype="FP32", shape=[-1, -1]),
-                    T(name="candidate_logprobs", datatype="FP32", shape=[-1, -1, -1]),
-                    T(name="full_logits", datatype="FP32", shape=[-1, -1, -1])])
+        inputs, outputs = self._tensors()
         return kpb.ModelMetadataResponse(name=self._loaded.name, versions=["1"], platform="logitserve",
-                                         inputs=inputs, outputs=outputs)
+                                         inputs=[T(name=n, datatype=d, shape=s) for n, d, s, _ in inputs],
+                                         outputs=[T(name=n, datatype=d, shape=s) for n, d, s, _ in outputs])
+
+    async def ModelConfig(self, request, context):
+        """Triton's view of the model: no server-side batching dimension (max_batch_size 0: inputs carry
+        their own [B, ...]); the request parameters and the model's limits as string parameters."""
+        await self._check_name(request.name, context)
+        inputs, outputs = self._tensors()
+        m = self._loaded
+        params = {"model_kind": m.kind.name.lower(), "architecture": m.architecture, "vocab_size": str(m.vocab_size),
+                  "max_sequence_length": str(m.max_seq_len), "dtype": str(m.dtype).removeprefix("torch."),
+                  "content_hash": m.content_hash, "request_parameters": ",".join(REQUEST_PARAMETERS)}
+        config = kpb.ModelConfig(
+            name=m.name, platform="logitserve", backend="logitserve", max_batch_size=0,
+            input=[kpb.ModelInput(name=n, data_type=_CONFIG_TYPE[d], dims=s, optional=o) for n, d, s, o in inputs],
+            output=[kpb.ModelOutput(name=n, data_type=_CONFIG_TYPE[d], dims=s) for n, d, s, _ in outputs],
+            parameters={k: kpb.ModelParameter(string_value=v) for k, v in params.items()})
+        return kpb.ModelConfigResponse(config=config)
+
+    async def ModelStatistics(self, request, context):
+        """Counts and cumulative ns since start-up, native and KServe requests together."""
+        await self._check_name(request.name, context)
+        t = self._metrics.totals.snapshot() if self._metrics is not None else None
+        stats = kpb.ModelStatistics(name=self._loaded.name, version="1")
+        if t is not None:
+            D = kpb.StatisticDuration
+            stats.last_inference, stats.inference_count = t["last_inference_ms"], t["inference_count"]
+            stats.execution_count = t["execution_count"]
+            stats.inference_stats.CopyFrom(kpb.InferStatistics(
+                success=D(count=t["success"][0], ns=t["success"][1]), fail=D(count=t["fail"][0], ns=t["fail"][1]),
+                queue=D(count=t["queue"][0], ns=t["queue"][1]),
+                compute_infer=D(count=t["compute"][0], ns=t["compute"][1])))
+            stats.batch_stats.extend(kpb.InferBatchStatistics(batch_size=n, compute_infer=D(count=c, ns=ns))
+                                     for n, (c, ns) in t["batches"].items())
+        return kpb.ModelStatisticsResponse(model_stats=[stats])
+
+    async def RepositoryIndex(self, request, context):
+        """The one model this server holds; READY unless draining."""
+        entry = kpb.RepositoryIndexResponse.ModelIndex(name=self._loaded.name, version="1",
+                                                       state="READY" if self._ready() else "UNAVAILABLE",
+                                                       reason="" if self._ready() else "draining")
+        return kpb.RepositoryIndexResponse(models=[] if request.ready and not self._ready() else [entry])
 
     async def _infer(self, request: kpb.ModelInferRequest) -> kpb.ModelInferResponse:
-        if request.model_name not in ("", self._loaded.name):
-            raise InvalidRequest("model_name", f"{request.model_name!r} is not served here; this server holds "
-                                               f"{self._loaded.name!r}")
-        job, names = decode(request, self._loaded.kind)
-        validate_job(job, self._loaded.limits)
-        timeout = _param(request.parameters, "timeout_s")
+        """One request, answered or raised; its access-log line and metrics either way."""
+        started, job, status = time.monotonic(), None, grpc.StatusCode.OK
+        try:
+            if not self._ready():
+                raise Unavailable("the server is shutting down; retry on another replica")
+            if request.model_name not in ("", self._loaded.name):
+                raise InvalidRequest("model_name", f"{request.model_name!r} is not served here; this server "
+                                                   f"holds {self._loaded.name!r}")
+            job, names = decode(request, self._loaded.kind)
+            self._native.check_size(job)
+            validate_job(job, self._loaded.limits)
+            timeout = _param(request.parameters, "timeout_s")
+            if timeout is not None and not timeout > 0:
+                raise InvalidRequest("parameters[timeout_s]", f"{timeout} must be > 0")
+            return await self._answer(request, job, names, timeout)
+        except BaseException as e:
+            status = grpc.StatusCode.DEADLINE_EXCEEDED if isinstance(e, TimeoutError) else \
+                grpc.StatusCode.CANCELLED if isinstance(e, asyncio.CancelledError) else to_status(e)[0]
+            raise
+        finally:
+            account(self._metrics, request.id or f"kserve-{next(self._ids)}", job, status, time.monotonic() - started)
+
+    async def _answer(self, request: kpb.ModelInferRequest, job: Job, names: list[str],
+                      timeout: Optional[float]) -> kpb.ModelInferResponse:
         dense = _Dense(len(job.sequences))
         async with asyncio.timeout(timeout):
             async for piece in self._scheduler.stream(job):

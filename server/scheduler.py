@@ -212,13 +212,9 @@ class Scheduler:
         self.batches_run += 1
         stall = self.config.stall_timeout_s
         started = time.monotonic()
+        waits = [started - t.admitted for t, ok in zip(batch, live) if ok]
         if self._metrics is not None:
-            m = self._metrics
-            m.batch_requests.observe(sum(live))
-            m.batch_tokens.observe(sum(t.tokens for t, ok in zip(batch, live) if ok))
-            for t, ok in zip(batch, live):
-                if ok:
-                    m.queue_wait.observe(started - t.admitted)
+            self._metrics.batch_started(waits, sum(t.tokens for t, ok in zip(batch, live) if ok))
         pieces = self._run_batch([t.job for t in batch], lambda i: not live[i] or batch[i].cancelled.is_set())
         try:
             for i, item in pieces:
@@ -242,7 +238,7 @@ class Scheduler:
         finally:
             pieces.close()
             if self._metrics is not None:
-                self._metrics.compute.observe(time.monotonic() - started)
+                self._metrics.batch_done(waits, time.monotonic() - started)
         for i, t in enumerate(batch):
             if live[i]:
                 try:

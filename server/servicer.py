@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import asyncio
-import logging
 import time
 from dataclasses import dataclass
 
@@ -14,10 +13,10 @@ from logitserve.v1 import logitserve_pb2 as pb
 from logitserve.v1 import logitserve_pb2_grpc as pb_grpc
 
 from . import codec
+from .metrics import account
 from .scheduler import Scheduler
 from .status import to_status
 
-log = logging.getLogger("logitserve.requests")
 _FINISHED = object()
 # Response messages a stream may have queued ahead of the network: bounds memory per slow client.
 STREAM_WINDOW = 8
@@ -128,7 +127,8 @@ class LogitServeServicer(pb_grpc.LogitServeServicer):
                     f"server's --max-in-flight-per-stream is {self._stream_limits.max_in_flight}")
         return None
 
-    def _check_size(self, job) -> None:
+    def check_size(self, job) -> None:
+        """OverLimit when a request is over --max-sequences-per-request or --max-request-tokens."""
         lim = self._stream_limits
         if len(job.sequences) > lim.max_sequences:
             raise OverLimit(f"sequences: {len(job.sequences)} in this request is over the server's "
@@ -157,7 +157,7 @@ class LogitServeServicer(pb_grpc.LogitServeServicer):
         try:
             ids = await self._tokenize(req) if req.texts else None
             job = codec.decode_job(req, ids)
-            self._check_size(job)
+            self.check_size(job)
             try:
                 validate_job(job, self._limits)
             except InvalidRequest as e:   # name the text, not the sequence it became
@@ -198,14 +198,4 @@ class LogitServeServicer(pb_grpc.LogitServeServicer):
             self._account(rid, job, status, time.monotonic() - started)
 
     def _account(self, rid: str, job, status: grpc.StatusCode, seconds: float) -> None:
-        """The request's access-log line (request id, status, tokens, time) and its metrics."""
-        tokens = job.num_tokens if job is not None else 0
-        log.info("request %s %s: %d tokens in %.3f s", rid, status.name, tokens, seconds,
-                 extra={"request_id": rid, "status": status.name, "tokens": tokens, "seconds": round(seconds, 6)})
-        if self._metrics is None:
-            return
-        for output in codec.outputs_of(job):
-            self._metrics.requests.labels(output=output, status=status.name).inc()
-        self._metrics.latency.observe(seconds)
-        if status == grpc.StatusCode.OK:
-            self._metrics.tokens.inc(tokens)
+        account(self._metrics, rid, job, status, seconds)

@@ -43,6 +43,12 @@ try:
     raise SystemExit("no error for a top-k without k")
 except tg.InferenceServerException as e:
     assert "parameters[k]" in e.message(), e.message()
+cfg = c.get_model_config(name).config                                 # Triton's own ModelConfig parses it
+assert cfg.name == name and cfg.max_batch_size == 0 and [i.name for i in cfg.input][0] == "input_ids"
+assert cfg.input[0].data_type == 8 and cfg.parameters["vocab_size"].string_value.isdigit()    # TYPE_INT32
+st = c.get_inference_statistics(name).model_stats[0]
+assert st.inference_stats.success.count >= 3 and st.inference_stats.fail.count >= 1 and st.execution_count >= 1
+assert [(m.name, m.state) for m in c.get_model_repository_index().models] == [(name, "READY")]
 print("tritonclient ok")
 """
 

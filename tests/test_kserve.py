@@ -78,3 +78,55 @@ def test_model_infer_outputs_equal_float64_reference(llama_server, model_dirs):
         assert not lp[j, n:].any() and not full[j, n:].any()                     # padding rows are 0
     assert streamed[0].infer_response.outputs[0].name == "token_logprobs"
     assert "INVALID_ARGUMENT" in streamed[1].error_message and "parameters[k]" in streamed[1].error_message
+
+
+def test_config_statistics_and_index_count_both_apis(model_dirs):
+    """ModelConfig, ModelStatistics (native and KServe requests together, failures apart) and RepositoryIndex;
+    the per-request limits and the Prometheus counters cover KServe requests too."""
+    import time
+
+    from conftest import serve_dir
+    from logitserve.client import LogitServeError, TeacherClient
+    from logitserve.server.servicer import StreamLimits
+
+    server = serve_dir(model_dirs["llama"], limits=StreamLimits(max_sequences=3))
+    seqs = random_seqs(np.random.default_rng(8), [5, 9], vocab=VOCAB)
+    try:
+        with grpc.insecure_channel(server.address) as ch, TeacherClient(server.address) as c:
+            stub = kpb_grpc.GRPCInferenceServiceStub(ch)
+            config = stub.ModelConfig(kpb.ModelConfigRequest(name="")).config
+            assert config.max_batch_size == 0 and config.platform == "logitserve"
+            assert [(i.name, i.data_type, list(i.dims), i.optional) for i in config.input] == [
+                ("input_ids", kpb.TYPE_INT32, [-1, -1], False), ("sequence_lengths", kpb.TYPE_INT32, [-1], True),
+                ("candidate_ids", kpb.TYPE_INT32, [-1, -1, -1], True)]
+            assert {o.name: o.data_type for o in config.output}["topk_ids"] == kpb.TYPE_INT32
+            assert config.parameters["vocab_size"].string_value == str(VOCAB)
+            assert "temperature" in config.parameters["request_parameters"].string_value.split(",")
+            with pytest.raises(grpc.RpcError) as e:
+                stub.ModelConfig(kpb.ModelConfigRequest(name="other"))
+            assert e.value.code() == grpc.StatusCode.NOT_FOUND
+
+            c.logprobs(seqs + [seqs[0]])                                          # native: 3 sequences, OK
+            stub.ModelInfer(_request(seqs, ["token_logprobs"]))                    # KServe: 2 sequences, OK
+            with pytest.raises(grpc.RpcError) as e:                               # KServe over the limit
+                stub.ModelInfer(_request(seqs * 2, ["token_logprobs"]))
+            assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "--max-sequences-per-request 3" in e.value.details()
+            with pytest.raises(LogitServeError):                                 # native, invalid
+                c.topk(seqs, k=VOCAB + 1)
+
+            stats = stub.ModelStatistics(kpb.ModelStatisticsRequest(name="")).model_stats
+            assert len(stats) == 1
+            s, i = stats[0], stats[0].inference_stats
+            assert (i.success.count, i.fail.count, s.inference_count) == (2, 2, 5)
+            assert i.queue.count == i.compute_infer.count == 2 and i.success.ns >= i.compute_infer.ns > 0
+            assert s.execution_count == sum(b.compute_infer.count for b in s.batch_stats) >= 1
+            assert abs(s.last_inference / 1e3 - time.time()) < 60
+            index = stub.RepositoryIndex(kpb.RepositoryIndexRequest()).models
+            assert [(m.name, m.state) for m in index] == [(s.name, "READY")]
+        registry = server.running.metrics.registry
+        sample = lambda status: registry.get_sample_value(
+            "logitserve_requests_total", {"output": "logprobs", "status": status})
+        assert sample("OK") == 2 and sample("RESOURCE_EXHAUSTED") == 1
+    finally:
+        server.stop()
