@@ -31,4 +31,5 @@ class LoadingProbe:
         self._server.start()
 
     def close(self) -> None:
-        self._server.stop(0)
+        """Stop, and wait until the probe's listener is gone, so no connection made afterwards lands on it."""
+        self._server.stop(0).wait(10)
