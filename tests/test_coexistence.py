@@ -1,7 +1,9 @@
-"""logitserve beside tritonclient[grpc] 2.73 (protobuf < 7) in one fresh environment: client and server import,
-serve and answer (about a minute: it builds a venv with torch from the local index)."""
+"""logitserve beside a student's ecosystem: with tritonclient[grpc] 2.73 (protobuf < 7) in one fresh environment,
+client and server import, serve and answer (about a minute: it builds a venv with torch from the local index);
+beside vLLM 0.33, ray 2.60 and tritonclient, pip resolves logitserve[server] without moving their versions."""
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -78,3 +80,26 @@ def test_client_and_server_work_beside_tritonclient(tmp_path):
         assert "tritonclient ok" in triton.stdout
     finally:
         assert server.stop() == 0
+
+
+# A student's environment: vLLM (which pins torch exactly), ray and tritonclient, at the versions a trainer
+# pins. Installing them for real is gigabytes of CUDA wheels, so this is pip's own resolver on their metadata.
+ECOSYSTEM = ("vllm==0.33.0", "ray[default]==2.60.0", "tritonclient[grpc]==2.73.0")
+SHARED = ("torch", "protobuf", "grpcio", "transformers", "numpy")
+
+
+def _resolve(tmp_path, name: str, *requirements: str) -> dict:
+    report = tmp_path / f"{name}.json"
+    out = subprocess.run([sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed", "-q",
+                          "--report", str(report), *requirements], capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return {i["metadata"]["name"].lower(): i["metadata"]["version"]
+            for i in json.loads(report.read_text())["install"]}
+
+
+def test_server_resolves_beside_vllm_ray_and_tritonclient_without_moving_them(tmp_path):
+    alone = _resolve(tmp_path, "alone", *ECOSYSTEM)
+    both = _resolve(tmp_path, "both", *ECOSYSTEM, f"logitserve[server] @ {ROOT.as_uri()}")
+    assert both["logitserve"] and both["vllm"] == "0.33.0" and both["ray"] == "2.60.0"
+    moved = {p: (alone.get(p), both.get(p)) for p in SHARED if alone.get(p) != both.get(p)}
+    assert not moved, f"adding logitserve[server] moved the environment's own pins: {moved}"
