@@ -50,7 +50,9 @@ class Reference:
                 if cfg.architectures[0].endswith("ForSequenceClassification") else tf.AutoModelForCausalLM)
         moe = getattr(cfg, "num_local_experts", None) or getattr(cfg, "num_experts", None)
         extra = dict(experts_implementation="eager") if moe else {}     # grouped_mm has no float64 kernel
-        self.model = auto.from_pretrained(directory, dtype=torch.float64, **extra).eval()
+        # eager attention is the definition: sdpa drops Gemma 2's score softcapping (and is transformers
+        # 5.20's default for it)
+        self.model = auto.from_pretrained(directory, dtype=torch.float64, attn_implementation="eager", **extra).eval()
         self.fp32 = auto.from_pretrained(directory, dtype=torch.float32).eval()
 
     @torch.no_grad()

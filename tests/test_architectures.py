@@ -32,6 +32,8 @@ ARCHS = {
     "phi3": ("Phi3Config", "Phi3ForCausalLM", None, {}, "transformers+logitserve"),     # fused qkv and gate_up
     "mixtral": ("MixtralConfig", "MixtralForCausalLM", "MixtralForSequenceClassification",
                 dict(num_local_experts=4, **MOE), "transformers"),
+    "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM", None,    # per-head fused qkv, partial rotary, parallel
+                 {}, "transformers"),                           # residual; its plan names embedding_rowwise
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", None,
                   dict(head_dim=16, num_experts=4, moe_intermediate_size=32, decoder_sparse_step=1, **MOE),
                   "transformers"),
@@ -83,6 +85,18 @@ def test_tp1_equals_reference(dirs, arch):
         _check(server.address, Reference(dirs[arch]))
     finally:
         server.stop()
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_softcapped_attention_unpacked(dirs, tp):
+    """Exact (unpacked) batching runs transformers' own attention: Gemma 2's capped scores must survive it
+    (sdpa drops the cap, and transformers 5.20 picks sdpa for Gemma 2 unless told otherwise)."""
+    server = CliServer("--model", str(dirs["gemma2"]), "--tp", str(tp), "--batching", "exact",
+                       "--logprob-chunk-size", "16")
+    try:
+        _check(server.address, Reference(dirs["gemma2"]))
+    finally:
+        assert server.stop() == 0, "".join(server.log[-30:])
 
 
 @pytest.mark.parametrize("arch", TP2 + ["llama-tied"])

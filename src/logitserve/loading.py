@@ -136,6 +136,15 @@ def describe(model, config, path: Path, dtype: str, max_seq_len: int | None, nam
     )
 
 
+def attention_kwargs(config) -> dict:
+    """How transformers should build attention for exact (unpacked) serving. Softcapped attention scores
+    (Gemma 2) exist only in the eager implementation: sdpa and flash kernels drop the cap, and
+    transformers 5.20 picks sdpa for Gemma 2 by default, silently. Packed serving replaces the
+    implementation with ours (packing.py), which caps."""
+    text = getattr(config, "text_config", None) or config
+    return {"attn_implementation": "eager"} if getattr(text, "attn_logit_softcapping", None) else {}
+
+
 def load_model(directory: str | os.PathLike, dtype: str = "fp32", max_seq_len: int | None = None,
                name: str | None = None) -> LoadedModel:
     """Load a whole local model directory with transformers, never touching the network."""
@@ -145,7 +154,8 @@ def load_model(directory: str | os.PathLike, dtype: str = "fp32", max_seq_len: i
     if dtype not in DTYPES:
         raise ValueError(f"dtype {dtype!r}: choose one of {sorted(DTYPES)}")
     config = AutoConfig.from_pretrained(path, local_files_only=True)
-    model = model_class(config).from_pretrained(path, dtype=DTYPES[dtype], local_files_only=True)
+    model = model_class(config).from_pretrained(path, dtype=DTYPES[dtype], local_files_only=True,
+                                                **attention_kwargs(config))
     model.eval()
     model.requires_grad_(False)
     return describe(model, config, path, dtype, max_seq_len, name)

@@ -19,7 +19,7 @@ from torch import nn
 
 from .checkpoint import Checkpoint
 from .hostmem import peak_rss_mib
-from .loading import DTYPES, LoadedModel, _kind_of, describe, find_head, model_class
+from .loading import DTYPES, LoadedModel, _kind_of, attention_kwargs, describe, find_head, model_class
 from .spec import ModelKind
 from .tp_forward import install, install_vocab_embedding, shardable_embedding
 from .tp_plan import Plan, check_layout, expand, resolve_plan
@@ -32,7 +32,7 @@ def _skeleton(config, dtype: torch.dtype) -> nn.Module:
     from accelerate import init_empty_weights
 
     with init_empty_weights(include_buffers=False):
-        model = model_class(config).from_config(config, dtype=dtype)
+        model = model_class(config).from_config(config, dtype=dtype, **attention_kwargs(config))
     return model.eval().requires_grad_(False)
 
 

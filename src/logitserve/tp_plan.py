@@ -34,6 +34,10 @@ STYLES = {
     "moe_tp_experts": Style("", "reduce"),            # each rank ran its slice of every expert: sum
     "replicated_with_grad_allreduce": Style(""),      # a gradient concern only: replicated at inference
     "replicate": Style(""),
+    # The input embedding, split by vocabulary rows with a masked lookup and an all-reduce: the loader does
+    # that for every model's input embedding (shard_load, tp_forward.install_vocab_embedding), so the plan
+    # entry adds nothing. transformers >= 5.20 adds it for tied embeddings; GPT-NeoX and others declare it.
+    "embedding_rowwise": Style(""),
 }
 
 # Where transformers has no plan, or one that costs more than it must for inference.
