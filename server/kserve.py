@@ -27,6 +27,7 @@ from logitserve.spec import Job, LogprobsOpts, ModelKind, OutputKind, SliceOpts,
 from logitserve.validate import validate_job
 
 from .metrics import account
+from .servicer import SHUTTING_DOWN
 from .status import to_status
 
 OUTPUTS = {"token_logprobs": OutputKind.TOKEN_LOGPROBS, "topk_values": OutputKind.TOPK_VALUES,
@@ -120,10 +121,8 @@ class _Dense:
     def __init__(self, batch: int):
         self.batch = batch
         self.arrays: dict[OutputKind, torch.Tensor] = {}
-        self.full: dict[OutputKind, list[tuple]] = {}
 
     def add(self, piece) -> None:
-        self.full.setdefault(piece.output, []).append(piece.full_shape)
         arr = self.arrays.get(piece.output)
         shape = (self.batch, *piece.full_shape)
         if arr is None or any(a < s for a, s in zip(arr.shape, shape)):
@@ -148,6 +147,10 @@ class KServeServicer(kpb_grpc.GRPCInferenceServiceServicer):
     def _ready(self) -> bool:
         return not self._native.draining
 
+    def _serves(self, name: str) -> bool:
+        """An empty name means the one model this server holds."""
+        return name in ("", self._loaded.name)
+
     async def ServerLive(self, request, context):
         return kpb.ServerLiveResponse(live=True)
 
@@ -155,13 +158,13 @@ class KServeServicer(kpb_grpc.GRPCInferenceServiceServicer):
         return kpb.ServerReadyResponse(ready=self._ready())
 
     async def ModelReady(self, request, context):
-        return kpb.ModelReadyResponse(ready=self._ready() and request.name in ("", self._loaded.name))
+        return kpb.ModelReadyResponse(ready=self._ready() and self._serves(request.name))
 
     async def ServerMetadata(self, request, context):
         return kpb.ServerMetadataResponse(name="logitserve", version=self._version, extensions=["logprobs"])
 
     async def _check_name(self, name: str, context) -> None:
-        if name not in ("", self._loaded.name):
+        if not self._serves(name):
             await context.abort(grpc.StatusCode.NOT_FOUND, f"name: model {name!r} is not served here; "
                                                            f"this server holds {self._loaded.name!r}")
 
@@ -224,13 +227,14 @@ class KServeServicer(kpb_grpc.GRPCInferenceServiceServicer):
                                                        reason="" if self._ready() else "draining")
         return kpb.RepositoryIndexResponse(models=[] if request.ready and not self._ready() else [entry])
 
-    async def _infer(self, request: kpb.ModelInferRequest) -> kpb.ModelInferResponse:
-        """One request, answered or raised; its access-log line and metrics either way."""
+    async def _infer(self, request: kpb.ModelInferRequest):
+        """(response, None), or (None, (code, message)) for a failed request; its access-log line and metrics
+        either way. Cancellation propagates."""
         started, job, status = time.monotonic(), None, grpc.StatusCode.OK
         try:
             if not self._ready():
-                raise Unavailable("the server is shutting down; retry on another replica")
-            if request.model_name not in ("", self._loaded.name):
+                raise Unavailable(SHUTTING_DOWN)
+            if not self._serves(request.model_name):
                 raise InvalidRequest("model_name", f"{request.model_name!r} is not served here; this server "
                                                    f"holds {self._loaded.name!r}")
             job, names = decode(request, self._loaded.kind)
@@ -239,11 +243,15 @@ class KServeServicer(kpb_grpc.GRPCInferenceServiceServicer):
             timeout = _param(request.parameters, "timeout_s")
             if timeout is not None and not timeout > 0:
                 raise InvalidRequest("parameters[timeout_s]", f"{timeout} must be > 0")
-            return await self._answer(request, job, names, timeout)
-        except BaseException as e:
-            status = grpc.StatusCode.DEADLINE_EXCEEDED if isinstance(e, TimeoutError) else \
-                grpc.StatusCode.CANCELLED if isinstance(e, asyncio.CancelledError) else to_status(e)[0]
+            return await self._answer(request, job, names, timeout), None
+        except asyncio.CancelledError:
+            status = grpc.StatusCode.CANCELLED
             raise
+        except Exception as e:      # noqa: BLE001 (every error becomes its status, in one place)
+            failure = (grpc.StatusCode.DEADLINE_EXCEEDED, "timeout_s: the request did not finish in time") \
+                if isinstance(e, TimeoutError) else to_status(e)
+            status = failure[0]
+            return None, failure
         finally:
             account(self._metrics, request.id or f"kserve-{next(self._ids)}", job, status, time.monotonic() - started)
 
@@ -264,19 +272,13 @@ class KServeServicer(kpb_grpc.GRPCInferenceServiceServicer):
         return resp
 
     async def ModelInfer(self, request, context):
-        try:
-            return await self._infer(request)
-        except TimeoutError:
-            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "timeout_s: the request did not finish in time")
-        except Exception as e:      # noqa: BLE001 (every error becomes its status, in one place)
-            code, message = to_status(e)
-            await context.abort(code, message)
+        resp, failure = await self._infer(request)
+        if failure is not None:
+            await context.abort(*failure)
+        return resp
 
     async def ModelStreamInfer(self, request_iterator, context):
         async for request in request_iterator:
-            try:
-                yield kpb.ModelStreamInferResponse(infer_response=await self._infer(request))
-            except Exception as e:  # noqa: BLE001
-                code, message = to_status(e) if not isinstance(e, TimeoutError) else \
-                    (grpc.StatusCode.DEADLINE_EXCEEDED, "timeout_s: the request did not finish in time")
-                yield kpb.ModelStreamInferResponse(error_message=f"{code.name}: {message}")
+            resp, failure = await self._infer(request)
+            yield kpb.ModelStreamInferResponse(infer_response=resp) if failure is None else \
+                kpb.ModelStreamInferResponse(error_message=f"{failure[0].name}: {failure[1]}")

@@ -20,6 +20,7 @@ from .status import to_status
 _FINISHED = object()
 # Response messages a stream may have queued ahead of the network: bounds memory per slow client.
 STREAM_WINDOW = 8
+SHUTTING_DOWN = "the server is shutting down; retry on another replica"
 
 
 @dataclass(frozen=True)
@@ -60,7 +61,7 @@ class LogitServeServicer(pb_grpc.LogitServeServicer):
             out.put_nowait(_FINISHED)
 
     async def Forward(self, request_iterator, context):
-        refusal = ((grpc.StatusCode.UNAVAILABLE, "the server is shutting down") if self._draining else
+        refusal = ((grpc.StatusCode.UNAVAILABLE, SHUTTING_DOWN) if self._draining else
                    (grpc.StatusCode.RESOURCE_EXHAUSTED, f"streams: {len(self._streams)} open, the server's "
                     f"--max-streams is {self._stream_limits.max_streams}; retry later or share a stream")
                    if len(self._streams) >= self._stream_limits.max_streams else None)
@@ -121,7 +122,7 @@ class LogitServeServicer(pb_grpc.LogitServeServicer):
     def _refusal(self, in_flight: int):
         """(code, message) when a new request on a stream must be refused before it is decoded."""
         if self._draining:
-            return grpc.StatusCode.UNAVAILABLE, "the server is shutting down; retry on another replica"
+            return grpc.StatusCode.UNAVAILABLE, SHUTTING_DOWN
         if in_flight >= self._stream_limits.max_in_flight:
             return (grpc.StatusCode.RESOURCE_EXHAUSTED, f"requests in flight: {in_flight} on this stream, the "
                     f"server's --max-in-flight-per-stream is {self._stream_limits.max_in_flight}")
