@@ -44,12 +44,11 @@ def _int32_tensor(field: str, t: pb.Tensor, ndim: int) -> np.ndarray:
 def decode_job(req: pb.ForwardRequest, texts_ids: Optional[tuple] = None) -> Job:
     """A Job from a ForwardRequest; malformed fields raise InvalidRequest naming the field.
 
-    `texts_ids`: the ids of req.texts, tokenized by the caller (the servicer), used as the sequences.
+    `texts_ids`: the ids of req.texts, tokenized by the caller (the servicer, which refuses a request that
+    sets both texts and sequences before tokenizing), used as the sequences.
     """
     if len(req.request_id) > MAX_REQUEST_ID:
         raise InvalidRequest("request_id", f"{len(req.request_id)} characters is over {MAX_REQUEST_ID}")
-    if req.texts and req.sequences:
-        raise InvalidRequest("texts", "set either sequences (token ids) or texts, not both")
     if texts_ids is not None:
         seqs = texts_ids
     else:

@@ -196,7 +196,4 @@ class LogitServeServicer(pb_grpc.LogitServeServicer):
             await emit(codec.encode_error(rid, status, message))
         finally:
             in_flight.pop(rid, None)
-            self._account(rid, job, status, time.monotonic() - started)
-
-    def _account(self, rid: str, job, status: grpc.StatusCode, seconds: float) -> None:
-        account(self._metrics, rid, job, status, seconds)
+            account(self._metrics, rid, job, status, time.monotonic() - started)
