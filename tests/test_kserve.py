@@ -124,9 +124,25 @@ def test_config_statistics_and_index_count_both_apis(model_dirs):
             assert abs(s.last_inference / 1e3 - time.time()) < 60
             index = stub.RepositoryIndex(kpb.RepositoryIndexRequest()).models
             assert [(m.name, m.state) for m in index] == [(s.name, "READY")]
+            with pytest.raises(grpc.RpcError) as e:
+                stub.ModelStatistics(kpb.ModelStatisticsRequest(name="other"))
+            assert e.value.code() == grpc.StatusCode.NOT_FOUND and "'other'" in e.value.details()
+            with pytest.raises(grpc.RpcError) as e:                               # counted as a failure
+                stub.ModelInfer(_request(seqs, ["token_logprobs"], timeout_s=0.0))
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "parameters[timeout_s]" in e.value.details() and "must be > 0" in e.value.details()
+            server.running.servicer.drain()                                       # shutting down
+            with pytest.raises(grpc.RpcError) as e:
+                stub.ModelInfer(_request(seqs, ["token_logprobs"]))
+            assert e.value.code() == grpc.StatusCode.UNAVAILABLE and "shutting down" in e.value.details()
+            assert not stub.ServerReady(kpb.ServerReadyRequest()).ready
+            assert [m.state for m in stub.RepositoryIndex(kpb.RepositoryIndexRequest()).models] == ["UNAVAILABLE"]
+            assert stub.RepositoryIndex(kpb.RepositoryIndexRequest(ready=True)).models == []
         registry = server.running.metrics.registry
-        sample = lambda status: registry.get_sample_value(
-            "logitserve_requests_total", {"output": "logprobs", "status": status})
-        assert sample("OK") == 2 and sample("RESOURCE_EXHAUSTED") == 1
+        sample = lambda status, output="logprobs": registry.get_sample_value(
+            "logitserve_requests_total", {"output": output, "status": status})
+        assert sample("OK") == 2 and sample("RESOURCE_EXHAUSTED") == 1 and sample("INVALID_ARGUMENT") == 1
+        assert sample("INVALID_ARGUMENT", "topk") == 1
+        assert sample("UNAVAILABLE", "none") == 1                                 # refused before decoding
     finally:
         server.stop()
