@@ -5,6 +5,7 @@ import asyncio
 import dataclasses
 import itertools
 import json
+import time
 from typing import Optional, Sequence
 
 import grpc
@@ -101,6 +102,27 @@ class AsyncTeacherClient(OutputsMixin):
             s.call.cancel()
         await asyncio.gather(*(s.reader for s in live if s.reader is not None), return_exceptions=True)
         await self._channel.close()
+
+    async def wait_ready(self, timeout_s: float = 600.0) -> ModelInfo:
+        """Wait until the server answers ModelInfo (through start-up: the port refusing connections, then the
+        model loading, both UNAVAILABLE), for at most `timeout_s`; the model's info, or the last error."""
+        deadline = time.monotonic() + timeout_s
+        delay = 0.05
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                return model_info_of(await self._stub.ModelInfo(pb.ModelInfoRequest(), timeout=max(0.1, min(left, 10.0)),
+                                                                metadata=self._metadata, wait_for_ready=True))
+            except grpc.RpcError as e:
+                retry = e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+                if not retry or time.monotonic() + delay >= deadline:
+                    err = LogitServeError.from_rpc(e)
+                    if retry:
+                        err = LogitServeError(e.code(), f"the server was not ready within {timeout_s:g} s: "
+                                                        f"{e.details()}")
+                    raise err from None
+            await asyncio.sleep(delay)
+            delay = min(1.0, delay * 2)
 
     async def model_info(self, timeout: Optional[float] = None) -> ModelInfo:
         try:

@@ -14,7 +14,9 @@ from .wire import Wanted
 class TeacherClient(OutputsMixin):
     """`with TeacherClient("host:port") as c: lp = c.logprobs([[1, 2, 3]])`; thread-safe."""
 
-    def __init__(self, address: str, **options):
+    def __init__(self, address: str, wait_ready: float | None = None, **options):
+        """`options` as AsyncTeacherClient's; `wait_ready`: wait up to this many seconds for the server to finish
+        starting (see `wait_ready()`) before returning."""
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="logitserve-client", daemon=True)
         self._thread.start()
@@ -22,6 +24,16 @@ class TeacherClient(OutputsMixin):
         async def make() -> AsyncTeacherClient:
             return AsyncTeacherClient(address, **options)
         self._aio = self._run(make())
+        if wait_ready is not None:
+            try:
+                self.wait_ready(wait_ready)
+            except BaseException:
+                self.close()
+                raise
+
+    def wait_ready(self, timeout_s: float = 600.0) -> ModelInfo:
+        """Block until the server answers (its port open and its model loaded); its ModelInfo."""
+        return self._run(self._aio.wait_ready(timeout_s))
 
     def _run(self, coro):
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()

@@ -14,7 +14,9 @@ import grpc
 import numpy as np
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
-from grpc_reflection.v1alpha import reflection
+from grpc_reflection.v1alpha import reflection, reflection_pb2 as reflection_v1alpha
+from grpc_reflection.v1alpha import reflection_pb2_grpc as reflection_grpc
+from grpc_reflection.v1alpha._async import ReflectionServicer
 
 import logitserve
 from logitserve.engine import Batching, Engine, EngineConfig
@@ -27,14 +29,15 @@ from logitserve.v1 import logitserve_pb2_grpc as pb_grpc
 from . import codec
 from .scheduler import Scheduler, SchedulerConfig, engine_batch_runner
 from .kserve import KServeServicer
-from .loading_probe import LoadingProbe
+from .gate import SERVICE_NAME, Gate, Listening, PortInUse, check_port_free, open_port  # noqa: F401 (re-exported)
 from .metrics import Metrics
-from .security import SecurityConfig, TokenAuth, load_tokens, server_credentials
+from .security import SecurityConfig
 from .servicer import STREAM_WINDOW, LogitServeServicer, StreamLimits
+from .servicer import add_to as add_native
 
 log = logging.getLogger("logitserve.server")
-SERVICE_NAME = "logitserve.v1.LogitServe"
 KSERVE_SERVICE = "inference.GRPCInferenceService"
+REFLECTION_V1 = "grpc.reflection.v1.ServerReflection"
 
 
 @dataclass(frozen=True)
@@ -62,6 +65,7 @@ class ServerConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     security: SecurityConfig = field(default_factory=SecurityConfig)
     metrics_port: Optional[int] = None  # Prometheus /metrics over HTTP on this port (0: a free one); None: off
+    metrics_host: str = "127.0.0.1"     # /metrics has no auth: loopback unless --metrics-host says otherwise
     limits: StreamLimits = field(default_factory=StreamLimits)
     keepalive_s: float = 60.0           # pings on idle connections; a peer silent for keepalive_timeout_s is dropped
     keepalive_timeout_s: float = 20.0
@@ -116,6 +120,7 @@ def load_rank(model: ModelConfig, ctx) -> tuple:
 class Running:
     server: grpc.aio.Server
     port: int
+    gate: Gate
     scheduler: Scheduler
     layout: Layout
     health: health_aio.HealthServicer   # asyncio's: a sync Watch would hold a thread that shutdown waits on
@@ -165,9 +170,20 @@ def memory_estimator(loaded: LoadedModel, config: ServerConfig, vocab_local: int
     return estimate
 
 
+def _add_reflection(gate: Gate, names: tuple[str, ...]) -> None:
+    """grpc.reflection v1alpha and v1 (grpcurl and newer tools ask v1 first; the two are wire-identical)."""
+    servicer = ReflectionServicer((*names, reflection.SERVICE_NAME))
+    reflection_grpc.add_ServerReflectionServicer_to_server(servicer, gate)
+    gate.add_registered_method_handlers(REFLECTION_V1, {"ServerReflectionInfo": grpc.stream_stream_rpc_method_handler(
+        servicer.ServerReflectionInfo, request_deserializer=reflection_v1alpha.ServerReflectionRequest.FromString,
+        response_serializer=reflection_v1alpha.ServerReflectionResponse.SerializeToString)})
+
+
 async def create_server(loaded: LoadedModel, config: ServerConfig, layout: Optional[Layout] = None,
-                        run_batch=None, idle=None, estimate=None, batching: Optional[Batching] = None) -> Running:
-    """Build and start a server for a loaded model; `run_batch`, `idle` and `batching` replace the local engine's."""
+                        run_batch=None, idle=None, estimate=None, batching: Optional[Batching] = None,
+                        listening: Optional[Listening] = None) -> Running:
+    """Serve a loaded model on `listening` (a port opened before loading) or on a port opened now;
+    `run_batch`, `idle` and `batching` replace the local engine's."""
     layout = layout or single_process(str(loaded.head.weight.device))
     pack_tokens = 0
     if run_batch is None:
@@ -176,38 +192,23 @@ async def create_server(loaded: LoadedModel, config: ServerConfig, layout: Optio
         run_batch = engine_batch_runner(engine.batch_steps)
     batching = batching or config.engine.batching
     estimate = estimate or memory_estimator(loaded, config, loaded.vocab_size, pack_tokens=pack_tokens)
+    listening = listening or await open_port(config)
     metrics = Metrics()
     scheduler = Scheduler(run_batch, config.scheduler, estimate=estimate, idle=idle, metrics=metrics)
     metrics.bind_scheduler(scheduler)
     info = codec.encode_model_info(loaded, layout, config.max_message_bytes, logitserve.__version__, batching)
-    sec = config.security
-    server = grpc.aio.server(options=[
-        ("grpc.max_receive_message_length", config.max_request_bytes),
-        ("grpc.max_send_message_length", config.max_message_bytes),
-        ("grpc.keepalive_time_ms", int(config.keepalive_s * 1000)),
-        ("grpc.keepalive_timeout_ms", int(config.keepalive_timeout_s * 1000)),
-        ("grpc.http2.min_ping_interval_without_data_ms", 5000),
-        ("grpc.keepalive_permit_without_calls", 1),
-        ("grpc.max_connection_idle_ms", int(config.max_connection_idle_s * 1000)),
-        ("grpc.so_reuseport", 1),          # beside the loading probe (loading_probe.py) on the same port
-    ], interceptors=[TokenAuth(load_tokens(sec.auth_token_file))] if sec.auth_token_file else None)
+    gate = listening.gate
     servicer = LogitServeServicer(scheduler, info, loaded.limits, config.max_message_bytes, loaded.text, metrics,
                                   config.limits)
-    pb_grpc.add_LogitServeServicer_to_server(servicer, server)
+    add_native(servicer, gate)
     kpb_grpc.add_GRPCInferenceServiceServicer_to_server(
-        KServeServicer(scheduler, loaded, logitserve.__version__, servicer, metrics), server)
-    health_servicer = health_aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection((SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-                                         KSERVE_SERVICE, reflection.SERVICE_NAME), server)
-    credentials = server_credentials(sec)
-    address = f"{config.host}:{config.port}"
-    port = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
-    if port == 0:
-        raise OSError(f"cannot bind {config.host}:{config.port}")
-    await server.start()
-    http = metrics.serve(config.metrics_port, config.host) if config.metrics_port is not None else None
-    running = Running(server, port, scheduler, layout, health_servicer, metrics, http, servicer)
+        KServeServicer(scheduler, loaded, logitserve.__version__, servicer, metrics), gate)
+    _add_reflection(gate, (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+                           KSERVE_SERVICE))
+    http = metrics.serve(config.metrics_port, config.metrics_host) if config.metrics_port is not None else None
+    running = Running(listening.server, listening.port, gate, scheduler, layout, listening.health, metrics, http,
+                      servicer)
+    gate.open()
     await running.set_serving(True)
     return running
 
@@ -235,21 +236,31 @@ def _announce(loaded: LoadedModel, config: ServerConfig, running: Running) -> No
     print(f"logitserve: serving {loaded.name} on {config.host}:{running.port}", flush=True)
 
 
-def _loading_probe(config: ServerConfig) -> tuple[LoadingProbe, ServerConfig]:
-    """Health NOT_SERVING on the port while loading; the config with the port it bound (for --port 0)."""
-    probe = LoadingProbe(config.host, config.port, config.security, SERVICE_NAME)
-    print(f"logitserve: loading on {config.host}:{probe.port} (health NOT_SERVING until ready)", flush=True)
-    return probe, dataclasses.replace(config, port=probe.port)
+def _announce_loading(config: ServerConfig, listening: Listening) -> None:
+    print(f"logitserve: loading on {config.host}:{listening.port} (health NOT_SERVING, other RPCs UNAVAILABLE "
+          f"until ready)", flush=True)
+
+
+def _warn_insecure(config: ServerConfig) -> None:
+    sec = config.security
+    if sec.auth_token_file and not sec.tls_cert:
+        log.warning("bearer tokens are checked but the port has no TLS: tokens cross the network in clear text; "
+                    "add --tls-cert/--tls-key unless this port is reachable only through a trusted proxy")
 
 
 async def serve(model: ModelConfig, config: ServerConfig) -> int:
-    """One process, one rank: load, serve until SIGINT/SIGTERM, then drain for config.grace_s."""
-    probe, config = _loading_probe(config)
+    """One process, one rank: open the port, load, serve until SIGINT/SIGTERM, then drain for config.grace_s."""
+    _warn_insecure(config)
+    listening = await open_port(config)
+    config = dataclasses.replace(config, port=listening.port)
+    _announce_loading(config, listening)
     try:
-        loaded = load(model)
-        running = await create_server(loaded, config)
-    finally:
-        probe.close()
+        loaded = await asyncio.to_thread(load, model)     # the event loop answers health and UNAVAILABLE meanwhile
+        running = await create_server(loaded, config, listening=listening)
+    except BaseException as e:
+        listening.gate.fail(f"{type(e).__name__}: {e}")
+        await listening.close()
+        raise
     _announce(loaded, config, running)
     await _until_stopped(running, config, asyncio.Event())
     return 0
@@ -260,26 +271,23 @@ def serve_rank(model: ModelConfig, config: ServerConfig, parallel: ParallelConfi
     import torch.distributed as dist
 
     from logitserve.distributed import follow
-    from logitserve.parallel import gather_layout, init_parallel
+    from logitserve.parallel import init_parallel
 
     ctx = init_parallel(parallel)
-    probe = None
     try:
         if ctx.is_root:
-            probe, config = _loading_probe(config)
-        loaded, shard = load_rank(model, ctx)
-        engine = Engine(loaded, config.engine, shard, ctx)
-        layout = gather_layout(ctx)
-        if not ctx.is_root:
-            follow(engine, ctx)
-            return 0
-        return asyncio.run(_serve_root(loaded, engine, ctx, layout, config, probe))
+            _warn_insecure(config)
+            return asyncio.run(_serve_root(model, ctx, config))
+        engine, _ = _rank_engine(model, config, ctx)
+        follow(engine, ctx)
+        return 0
+    except PortInUse as e:
+        log.error("%s", e)
+        return 1
     except Exception:
         log.exception("rank %d failed", ctx.rank)
         return 1
     finally:
-        if probe is not None:
-            probe.close()
         if dist.is_initialized():
             try:
                 dist.destroy_process_group()
@@ -287,17 +295,34 @@ def serve_rank(model: ModelConfig, config: ServerConfig, parallel: ParallelConfi
                 pass
 
 
-async def _serve_root(loaded, engine, ctx, layout: Layout, config: ServerConfig, probe=None) -> int:
+def _rank_engine(model: ModelConfig, config: ServerConfig, ctx) -> tuple:
+    """(engine, layout) of this rank: every rank runs this, in the same order (it holds collectives)."""
+    from logitserve.parallel import gather_layout
+
+    loaded, shard = load_rank(model, ctx)
+    engine = Engine(loaded, config.engine, shard, ctx)
+    return engine, gather_layout(ctx)
+
+
+async def _serve_root(model: ModelConfig, ctx, config: ServerConfig) -> int:
     from logitserve.distributed import DistributedRunner
 
+    listening = await open_port(config)
+    config = dataclasses.replace(config, port=listening.port)
+    _announce_loading(config, listening)
+    try:
+        engine, layout = await asyncio.to_thread(_rank_engine, model, config, ctx)
+    except BaseException as e:
+        listening.gate.fail(f"{type(e).__name__}: {e}")
+        await listening.close()
+        raise
+    loaded = engine.loaded
     loop = asyncio.get_running_loop()
     fatal = asyncio.Event()
     runner = DistributedRunner(engine, ctx, on_fatal=lambda reason: loop.call_soon_threadsafe(fatal.set))
     estimate = memory_estimator(loaded, config, engine.shard.size, ctx.tp, ctx.cp, engine.pack_tokens)
     running = await create_server(loaded, config, layout, run_batch=runner.run_batch, idle=runner.heartbeat,
-                                  estimate=estimate, batching=engine.batching)
-    if probe is not None:
-        probe.close()
+                                  estimate=estimate, batching=engine.batching, listening=listening)
     _announce(loaded, config, running)
 
     await _until_stopped(running, config, fatal)   # a lost rank: health goes NOT_SERVING as the server stops
@@ -306,3 +331,4 @@ async def _serve_root(loaded, engine, ctx, layout: Layout, config: ServerConfig,
         return 1
     await asyncio.to_thread(runner.stop)
     return 0
+

@@ -10,7 +10,8 @@ import sys
 
 def _serve_parser(sub) -> None:
     p = sub.add_parser("serve", help="serve a model (the embedded demo when --model is not given)")
-    p.add_argument("--host", default="0.0.0.0")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on (default loopback only; 0.0.0.0 for every interface, as in a container)")
     p.add_argument("--port", type=int, default=50051)
     p.add_argument("--model", default=None, help="local Hugging Face model directory (config.json + safetensors)")
     p.add_argument("--demo", choices=["causal", "reward"], default="causal", help="embedded demo when no --model")
@@ -44,6 +45,8 @@ def _serve_parser(sub) -> None:
     p.add_argument("--tls-client-ca", help="PEM CA bundle: mTLS, a client without a certificate it signed is refused")
     p.add_argument("--auth-token-file", help="bearer tokens, one per line: every RPC but health needs one")
     p.add_argument("--metrics-port", type=int, default=None, help="Prometheus /metrics over HTTP on this port")
+    p.add_argument("--metrics-host", default="127.0.0.1",
+                   help="address of /metrics (it has no auth; default loopback only)")
     p.add_argument("--grace-s", type=float, default=5.0,
                    help="on SIGTERM: NOT_SERVING and new requests UNAVAILABLE at once, in-flight ones get this long")
     p.add_argument("--max-sequences-per-request", type=int, default=4096)
@@ -65,11 +68,39 @@ def _size(text: str) -> int:
     return int(float(t))
 
 
+def _wait_arg(p) -> None:
+    p.add_argument("--wait", type=float, default=600.0, metavar="S",
+                   help="wait up to S seconds for a server that is still starting (0: fail at once)")
+
+
+def _connect(args):
+    """A TeacherClient to args.address, once the server is ready (saying so on stderr when it waits)."""
+    from logitserve.client import LogitServeError, TeacherClient
+
+    client = TeacherClient(args.address)
+    try:
+        client.wait_ready(0.5)
+    except LogitServeError as e:
+        if e.code.name not in ("UNAVAILABLE", "DEADLINE_EXCEEDED") or args.wait <= 0.5:
+            client.close()
+            raise
+        print(f"logitserve: {args.address} is not ready yet ({e.details}); waiting up to {args.wait:g} s "
+              f"(--wait)", file=sys.stderr, flush=True)
+        try:
+            client.wait_ready(args.wait)
+        except BaseException:
+            client.close()
+            raise
+    return client
+
+
 def _client_parsers(sub) -> None:
     p = sub.add_parser("info", help="print a server's model info")
     p.add_argument("address")
+    _wait_arg(p)
     q = sub.add_parser("query", help="print token logprobs and top-k for some token ids")
     q.add_argument("address")
+    _wait_arg(q)
     given = q.add_mutually_exclusive_group(required=True)
     given.add_argument("--ids", help="comma-separated token ids, e.g. 1,2,3")
     given.add_argument("--text", help="a text for the server to tokenize with the model's tokenizer")
@@ -80,6 +111,7 @@ def _client_parsers(sub) -> None:
     h.add_argument("--timeout", type=float, default=5.0)
     c = sub.add_parser("capture", help="capture a teacher's top-k for a jsonl dataset into safetensors shards")
     c.add_argument("address")
+    _wait_arg(c)
     c.add_argument("--input", required=True, help='jsonl: {"ids": [...]} or {"text": "..."} per line')
     c.add_argument("--out", required=True, help="directory of shards + manifest.json; a rerun resumes")
     c.add_argument("--topk", type=int, default=64)
@@ -121,7 +153,7 @@ def _cmd_serve(args, argv: list[str]) -> int:
     from logitserve.engine import Batching, EngineConfig
     from logitserve.parallel import ParallelConfig
 
-    from .app import ModelConfig, ServerConfig, serve, serve_rank
+    from .app import ModelConfig, PortInUse, ServerConfig, check_port_free, serve, serve_rank
     from .scheduler import SchedulerConfig
     from .security import SecurityConfig
     from .servicer import StreamLimits
@@ -129,6 +161,12 @@ def _cmd_serve(args, argv: list[str]) -> int:
 
     parallel = ParallelConfig(tp=args.tp, cp=args.cp, collective_timeout_s=args.collective_timeout,
                               device=args.device)
+    if not under_torchrun():
+        try:
+            check_port_free(args.host, args.port)   # one line now, before ranks start or gRPC logs its own
+        except PortInUse as e:
+            print(f"logitserve: {e}", file=sys.stderr)
+            return 1
     if parallel.world_size > 1 and not under_torchrun():
         return spawn_local(argv[1:], parallel.world_size, args.threads)
     if not args.no_malloc_tuning:
@@ -149,6 +187,7 @@ def _cmd_serve(args, argv: list[str]) -> int:
                                               max_pack_tokens=args.max_batch_tokens), scheduler=scheduler,
                           security=SecurityConfig(args.tls_cert, args.tls_key, args.tls_client_ca,
                                                   args.auth_token_file), metrics_port=args.metrics_port,
+                          metrics_host=args.metrics_host,
                           grace_s=args.grace_s, keepalive_s=args.keepalive_s,
                           limits=StreamLimits(args.max_sequences_per_request, args.max_request_tokens,
                                               args.max_streams, args.max_in_flight_per_stream))
@@ -163,13 +202,15 @@ def _cmd_serve(args, argv: list[str]) -> int:
         os._exit(code)
     import dataclasses
 
-    return asyncio.run(serve(dataclasses.replace(model, device=args.device), config))
+    try:
+        return asyncio.run(serve(dataclasses.replace(model, device=args.device), config))
+    except PortInUse as e:
+        print(f"logitserve: {e}", file=sys.stderr)
+        return 1
 
 
 def _cmd_info(args) -> int:
-    from logitserve.client import TeacherClient
-
-    with TeacherClient(args.address) as c:
+    with _connect(args) as c:
         info = c.model_info(timeout=30)
     for key, value in info.__dict__.items():
         print(f"{key:>20}: {value}")
@@ -177,10 +218,8 @@ def _cmd_info(args) -> int:
 
 
 def _cmd_query(args) -> int:
-    from logitserve.client import TeacherClient
-
     seq = args.text if args.text is not None else [int(x) for x in args.ids.split(",") if x.strip()]
-    with TeacherClient(args.address) as c:
+    with _connect(args) as c:
         r = c.forward([seq], temperature=args.temperature, logprobs=True, topk=args.topk, topk_as_logprobs=True)
     ids = r.input_ids[0].tolist() if args.text is not None else seq
     lp, vals, top = r.logprobs[0], r.topk_values[0], r.topk_ids[0]
@@ -211,13 +250,12 @@ def _cmd_capture(args) -> int:
     import time
     from pathlib import Path
 
-    from logitserve.client import TeacherClient
     from logitserve.client.capture import CaptureConfig, capture, verify
 
     cfg = CaptureConfig(topk=args.topk, logprobs=args.logprobs, dtype=args.dtype, temperature=args.temperature,
                         shard_samples=args.shard_samples, batch_samples=args.batch_samples, in_flight=args.in_flight)
     t0 = time.perf_counter()
-    with TeacherClient(args.address) as c:
+    with _connect(args) as c:
         manifest = capture(c, args.input, args.out, cfg, progress=not args.no_progress)
         took = time.perf_counter() - t0
         shards = sorted(Path(args.out).glob("shard-*.safetensors"))

@@ -1,18 +1,21 @@
 """Translates between the proto messages and the core's Job / Piece types; no math."""
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
 from typing import Iterator, Optional
 
 import grpc
 import numpy as np
 import torch
+from google.protobuf.message import DecodeError
 
 from logitserve.engine import Piece
 from logitserve.errors import InvalidRequest
 from logitserve.spec import Job, LogprobsOpts, OutputKind, SliceOpts, TopKOpts, WireDType
 from logitserve.v1 import logitserve_pb2 as pb
 
-MAX_REQUEST_ID = 256
+MAX_REQUEST_ID = 256   # bytes of UTF-8; checked before an id is logged or echoed
 # Room left in each message for everything but the tensor bytes (ids, shapes, offsets, framing).
 HEADER_ROOM = 4096
 
@@ -33,12 +36,41 @@ def _wire_dtype(field: str, value: int) -> WireDType:
 def _int32_tensor(field: str, t: pb.Tensor, ndim: int) -> np.ndarray:
     if t.dtype not in (pb.INT32, pb.DTYPE_UNSPECIFIED):
         raise InvalidRequest(field, f"token ids must be INT32, got {pb.DType.Name(t.dtype) if t.dtype in pb.DType.values() else t.dtype}")
-    shape = tuple(t.shape)
+    shape = tuple(int(d) for d in t.shape)
     if len(shape) != ndim or any(d < 0 for d in shape):
-        raise InvalidRequest(field, f"shape {list(shape)} must have {ndim} non-negative dimensions")
-    if len(t.data) != 4 * int(np.prod(shape)):
-        raise InvalidRequest(field, f"{len(t.data)} bytes do not hold int32 shape {list(shape)} ({4 * int(np.prod(shape))} bytes)")
+        raise InvalidRequest(field, f"shape {list(shape)[:8]} must have {ndim} non-negative dimensions")
+    count = math.prod(shape)      # Python ints: a shape that overflows int64 cannot wrap to a small count
+    if len(t.data) != 4 * count:
+        raise InvalidRequest(field, f"{len(t.data)} bytes do not hold int32 shape {list(shape)} ({4 * count} bytes)")
     return np.frombuffer(t.data, dtype="<i4").reshape(shape)
+
+
+@dataclass(frozen=True)
+class Undecodable:
+    """A request message whose bytes are no ForwardRequest (what the lenient deserializer returns)."""
+
+    size: int
+    error: str
+
+
+def decode_forward_request(raw: bytes):
+    """pb.ForwardRequest, or Undecodable: gRPC would otherwise end the stream quietly with status OK."""
+    try:
+        return pb.ForwardRequest.FromString(raw)
+    except DecodeError as e:
+        return Undecodable(len(raw), str(e)[:200])
+
+
+def request_id_error(rid: str) -> Optional[str]:
+    """Why a request id cannot be used (too long), or None; the message never repeats the id."""
+    n = len(rid.encode("utf-8", "surrogatepass"))
+    return None if n <= MAX_REQUEST_ID else f"request_id: {n} bytes is over the limit of {MAX_REQUEST_ID} bytes"
+
+
+def shown_id(rid: str) -> str:
+    """A request id as it may be logged or echoed: at most MAX_REQUEST_ID bytes."""
+    return rid if len(rid) <= MAX_REQUEST_ID // 4 or request_id_error(rid) is None else \
+        rid.encode("utf-8", "surrogatepass")[:MAX_REQUEST_ID].decode("utf-8", "ignore")
 
 
 def decode_job(req: pb.ForwardRequest, texts_ids: Optional[tuple] = None) -> Job:
@@ -47,8 +79,6 @@ def decode_job(req: pb.ForwardRequest, texts_ids: Optional[tuple] = None) -> Job
     `texts_ids`: the ids of req.texts, tokenized by the caller (the servicer, which refuses a request that
     sets both texts and sequences before tokenizing), used as the sequences.
     """
-    if len(req.request_id) > MAX_REQUEST_ID:
-        raise InvalidRequest("request_id", f"{len(req.request_id)} characters is over {MAX_REQUEST_ID}")
     if texts_ids is not None:
         seqs = texts_ids
     else:

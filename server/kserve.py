@@ -4,7 +4,9 @@ Inputs: `input_ids` INT32/INT64 [B, L] (rows past `sequence_lengths` [B], when g
 optional `candidate_ids` INT32 [B, L, c]. Request parameters pick the outputs' options:
 `temperature`, `top_k` / `top_p` (filters of the token logprobs), `k` (top-k size, also accepted on
 the requested `topk_values` output), `topk_as_logprobs`, `topk_dtype` ("BF16", "FP16", "FP32"),
-`seq_start`/`seq_end`/`vocab_start`/`vocab_end` (the full-logits rectangle), `timeout_s`.
+`seq_start`/`seq_end`/`vocab_start`/`vocab_end` (the full-logits rectangle), `timeout_s`; each has one
+type (REQUEST_PARAMETERS: a whole-number double is accepted for an integer, nothing else is coerced) and an
+unknown parameter is refused. INT64 ids that do not fit int32 are refused, never wrapped.
 Outputs, by name: `token_logprobs` FP32 [B, L], `topk_values` [B, L, k], `topk_ids` INT32 [B, L, k],
 `topk_tail` FP32 [B, L], `candidate_logprobs` FP32 [B, L, c], `full_logits` FP32 [B, s1-s0, v1-v0],
 `scores` FP32 [B, num_labels]; none asked: token_logprobs (causal LM) or scores (reward model).
@@ -13,6 +15,7 @@ Rows past a sequence's length are 0. Tensors travel raw (BF16 as its 2-byte bits
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from typing import Optional
 
@@ -26,7 +29,9 @@ from logitserve.kserve import grpc_predict_v2_pb2_grpc as kpb_grpc
 from logitserve.spec import Job, LogprobsOpts, ModelKind, OutputKind, SliceOpts, TopKOpts, WireDType
 from logitserve.validate import validate_job
 
+from . import codec
 from .metrics import account
+from .params import Param, ParamTable
 from .servicer import SHUTTING_DOWN
 from .status import to_status
 
@@ -38,81 +43,134 @@ _WIRE = {"FP32": WireDType.FP32, "BF16": WireDType.BF16, "FP16": WireDType.FP16}
 _KS_DTYPE = {torch.float32: "FP32", torch.bfloat16: "BF16", torch.float16: "FP16", torch.int32: "INT32"}
 _NP_IN = {"INT32": "<i4", "INT64": "<i8"}
 _CONFIG_TYPE = {"INT32": kpb.TYPE_INT32, "FP32": kpb.TYPE_FP32}
-REQUEST_PARAMETERS = ("k", "temperature", "top_k", "top_p", "topk_as_logprobs", "topk_dtype", "seq_start",
-                      "seq_end", "vocab_start", "vocab_end", "timeout_s")
+_INT32 = np.iinfo(np.int32)
+# A tensor holds at most this many elements (2^31: int32 indexing everywhere downstream).
+MAX_ELEMENTS = 1 << 31
+
+REQUEST_PARAMETERS = ParamTable(
+    Param("k", int, "top-k size (1 <= k <= V); also accepted on the requested topk_* outputs", lo=1),
+    Param("temperature", float, "T > 0: every output but scores uses z/T"),
+    Param("top_k", int, "token_logprobs filter: keep the k largest logits", lo=1),
+    Param("top_p", float, "token_logprobs filter: keep the top set reaching probability p, 0 < p <= 1"),
+    Param("topk_as_logprobs", bool, "topk_values as full-vocab logprobs instead of z/T"),
+    Param("topk_dtype", str, "topk_values on the wire", choices=("FP32", "BF16", "FP16")),
+    Param("seq_start", int, "full_logits rows from here", lo=0),
+    Param("seq_end", int, "full_logits rows up to here", lo=0),
+    Param("vocab_start", int, "full_logits columns from here", lo=0),
+    Param("vocab_end", int, "full_logits columns up to here", lo=0),
+    Param("timeout_s", float, "server-side deadline in seconds (> 0)"),
+    Param("timeout", int, "Triton's server-side deadline, in microseconds (> 0)", lo=1),
+    Param("priority", int, "Triton's priority: accepted, no effect (one queue, first come first served)", lo=0),
+)
+OUTPUT_PARAMETERS = ParamTable(Param("k", int, "top-k size (1 <= k <= V)", lo=1))
 
 
-def _param(params, name: str, default=None):
-    if name not in params:
-        return default
-    p = params[name]
-    return getattr(p, p.WhichOneof("parameter_choice")) if p.WhichOneof("parameter_choice") else default
+def _values(params) -> dict:
+    """InferParameter map -> {name: python value}; a parameter with no value set is refused."""
+    out = {}
+    for name, p in params.items():
+        which = p.WhichOneof("parameter_choice")
+        if which is None:
+            raise InvalidRequest(f"parameters[{name[:64]}]", "no value set in the InferParameter")
+        out[name] = getattr(p, which)
+    return out
+
+
+def read_parameters(req: kpb.ModelInferRequest) -> dict:
+    """The request's parameters, typed (REQUEST_PARAMETERS), with `k` from a requested output when given there."""
+    params = REQUEST_PARAMETERS.read(_values(req.parameters))
+    for o in req.outputs:
+        k = OUTPUT_PARAMETERS.read(_values(o.parameters), f"outputs[{o.name[:64]}].parameters").get("k")
+        if k is not None:
+            if params.get("k", k) != k:
+                raise InvalidRequest(f"outputs[{o.name[:64]}].parameters[k]",
+                                     f"{k} differs from the k ({params['k']}) given elsewhere in the request")
+            params["k"] = k
+    return params
+
+
+def timeout_of(params: dict) -> Optional[float]:
+    """The request's deadline in seconds (timeout_s, or Triton's timeout in µs), or None."""
+    if "timeout_s" in params and "timeout" in params:
+        raise InvalidRequest("parameters[timeout_s]", "set timeout_s or Triton's timeout (µs), not both")
+    if "timeout" in params:
+        return params["timeout"] / 1e6
+    t = params.get("timeout_s")
+    if t is not None and not t > 0:
+        raise InvalidRequest("parameters[timeout_s]", f"{t} must be > 0")
+    return t
 
 
 def _input(req: kpb.ModelInferRequest, name: str) -> Optional[np.ndarray]:
+    """An INT32/INT64 input as an int32 array of its declared shape; every value must fit int32."""
     for i, t in enumerate(req.inputs):
         if t.name != name:
             continue
+        field = f"inputs[{name}]"
         if t.datatype not in _NP_IN:
-            raise InvalidRequest(f"inputs[{name}].datatype", f"{t.datatype!r}: send INT32 or INT64")
+            raise InvalidRequest(f"{field}.datatype", f"{t.datatype[:32]!r}: send INT32 or INT64")
         shape = tuple(int(d) for d in t.shape)
-        if any(d < 0 for d in shape) or int(np.prod(shape)) > 1 << 31:
-            raise InvalidRequest(f"inputs[{name}].shape", f"{list(shape)} must be non-negative and hold < 2^31")
+        count = math.prod(shape)   # Python ints: no overflow
+        if any(d < 0 for d in shape) or count > MAX_ELEMENTS:
+            raise InvalidRequest(f"{field}.shape", f"{list(shape)[:8]} must be non-negative and hold at most "
+                                                   f"2^31 elements")
         if i < len(req.raw_input_contents):
             raw = req.raw_input_contents[i]
             width = np.dtype(_NP_IN[t.datatype]).itemsize
-            if len(raw) != width * int(np.prod(shape)):
-                raise InvalidRequest(f"inputs[{name}]", f"{len(raw)} raw bytes do not hold {t.datatype} {list(shape)}")
-            return np.frombuffer(raw, dtype=_NP_IN[t.datatype]).reshape(shape)
-        values = t.contents.int_contents if t.datatype == "INT32" else t.contents.int64_contents
-        if len(values) != int(np.prod(shape)):
-            raise InvalidRequest(f"inputs[{name}]", f"{len(values)} values do not fill {list(shape)}")
-        return np.asarray(values, dtype=_NP_IN[t.datatype]).reshape(shape)
+            if len(raw) != width * count:
+                raise InvalidRequest(field, f"{len(raw)} raw bytes do not hold {t.datatype} {list(shape)} "
+                                            f"({width * count} bytes)")
+            arr = np.frombuffer(raw, dtype=_NP_IN[t.datatype]).reshape(shape)
+        else:
+            values = t.contents.int_contents if t.datatype == "INT32" else t.contents.int64_contents
+            if len(values) != count:
+                raise InvalidRequest(field, f"{len(values)} values do not fill {list(shape)}")
+            arr = np.asarray(values, dtype=_NP_IN[t.datatype]).reshape(shape)
+        if arr.dtype != np.int32 and arr.size:
+            bad = (arr < _INT32.min) | (arr > _INT32.max)
+            if bad.any():    # a cast would wrap 2^32 + 5 to 5: refuse instead
+                where = "".join(f"[{int(x)}]" for x in np.unravel_index(int(np.flatnonzero(bad)[0]), arr.shape))
+                raise InvalidRequest(f"{field}{where}", f"{int(arr[bad][0])} does not fit int32 (token ids are < V)")
+        return arr.astype(np.int32, copy=False)
     return None
 
 
-def decode(req: kpb.ModelInferRequest, kind: ModelKind) -> tuple[Job, list[str]]:
-    """The Job and the output names of a ModelInferRequest; malformed input raises InvalidRequest."""
+def decode(req: kpb.ModelInferRequest, kind: ModelKind) -> tuple[Job, list[str], Optional[float]]:
+    """The Job, the output names and the deadline (s) of a ModelInferRequest; malformed input raises
+    InvalidRequest naming the input or parameter."""
+    names = [o.name for o in req.outputs] or (["scores"] if kind is ModelKind.REWARD else ["token_logprobs"])
+    unknown = sorted(set(names) - set(OUTPUTS))
+    if unknown:
+        raise InvalidRequest("outputs", f"{[n[:64] for n in unknown[:4]]} unknown; outputs are {sorted(OUTPUTS)}")
+    p = read_parameters(req)
     ids = _input(req, "input_ids")
     if ids is None or ids.ndim != 2:
         raise InvalidRequest("inputs[input_ids]", "an INT32 or INT64 [B, L] tensor named input_ids is needed")
     lengths = _input(req, "sequence_lengths")
     lengths = [ids.shape[1]] * ids.shape[0] if lengths is None else [int(x) for x in lengths.reshape(-1)]
     if len(lengths) != ids.shape[0] or any(not 0 <= n <= ids.shape[1] for n in lengths):
-        raise InvalidRequest("inputs[sequence_lengths]", f"{lengths}: one length in [0, {ids.shape[1]}] per row")
-    if ids.size and (ids.min() < np.iinfo(np.int32).min or ids.max() > np.iinfo(np.int32).max):
-        raise InvalidRequest("inputs[input_ids]", "ids must fit in int32")
-    seqs = tuple(np.ascontiguousarray(ids[b, :n], dtype=np.int32) for b, n in enumerate(lengths))
-    p = req.parameters
-    names = [o.name for o in req.outputs] or (["scores"] if kind is ModelKind.REWARD else ["token_logprobs"])
-    unknown = sorted(set(names) - set(OUTPUTS))
-    if unknown:
-        raise InvalidRequest("outputs", f"{unknown} unknown; outputs are {sorted(OUTPUTS)}")
-    k = _param(p, "k")
-    for o in req.outputs:
-        k = _param(o.parameters, "k", k)
+        raise InvalidRequest("inputs[sequence_lengths]", f"{lengths[:8]}: one length in [0, {ids.shape[1]}] per row "
+                                                         f"({ids.shape[0]} rows)")
+    seqs = tuple(np.ascontiguousarray(ids[b, :n]) for b, n in enumerate(lengths))
     logprobs = topk = cands = sl = None
     if "token_logprobs" in names:
-        logprobs = LogprobsOpts(top_k=_param(p, "top_k"), top_p=_param(p, "top_p"))
+        logprobs = LogprobsOpts(top_k=p.get("top_k"), top_p=p.get("top_p"))
     if {"topk_values", "topk_ids", "topk_tail"} & set(names):
-        if k is None:
-            raise InvalidRequest("parameters[k]", "top-k outputs need the int64 parameter k (1 <= k <= V)")
-        dtype = str(_param(p, "topk_dtype", "FP32")).upper()
-        if dtype not in _WIRE:
-            raise InvalidRequest("parameters[topk_dtype]", f"{dtype!r}: choose FP32, BF16 or FP16")
-        topk = TopKOpts(k=int(k), as_logprobs=bool(_param(p, "topk_as_logprobs", False)), dtype=_WIRE[dtype],
-                        tail_mass="topk_tail" in names)
+        if "k" not in p:
+            raise InvalidRequest("parameters[k]", "top-k outputs need the integer parameter k (1 <= k <= V)")
+        topk = TopKOpts(k=p["k"], as_logprobs=p.get("topk_as_logprobs", False),
+                        dtype=_WIRE[p.get("topk_dtype", "FP32")], tail_mass="topk_tail" in names)
     if "candidate_logprobs" in names:
         c = _input(req, "candidate_ids")
         if c is None or c.ndim != 3 or c.shape[:2] != ids.shape:
-            raise InvalidRequest("inputs[candidate_ids]", "candidate_logprobs needs INT32 candidate_ids [B, L, c]")
-        cands = tuple(np.ascontiguousarray(c[b, :n], dtype=np.int32) for b, n in enumerate(lengths))
+            raise InvalidRequest("inputs[candidate_ids]", f"candidate_logprobs needs INT32 candidate_ids [B, L, c] "
+                                                          f"with [B, L] = {list(ids.shape)}")
+        cands = tuple(np.ascontiguousarray(c[b, :n]) for b, n in enumerate(lengths))
     if "full_logits" in names:
-        sl = SliceOpts(*(_param(p, n) for n in ("seq_start", "seq_end", "vocab_start", "vocab_end")))
-    temperature = _param(p, "temperature", 1.0)
-    job = Job(sequences=seqs, temperature=float(temperature), logprobs=logprobs, topk=topk, candidates=cands,
-              full_logits=sl, scores="scores" in names)
-    return job, names
+        sl = SliceOpts(*(p.get(n) for n in ("seq_start", "seq_end", "vocab_start", "vocab_end")))
+    job = Job(sequences=seqs, temperature=p.get("temperature", 1.0), logprobs=logprobs, topk=topk,
+              candidates=cands, full_logits=sl, scores="scores" in names)
+    return job, names, timeout_of(p)
 
 
 class _Dense:
@@ -165,7 +223,7 @@ class KServeServicer(kpb_grpc.GRPCInferenceServiceServicer):
 
     async def _check_name(self, name: str, context) -> None:
         if not self._serves(name):
-            await context.abort(grpc.StatusCode.NOT_FOUND, f"name: model {name!r} is not served here; "
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"name: model {name[:64]!r} is not served here; "
                                                            f"this server holds {self._loaded.name!r}")
 
     def _tensors(self) -> tuple[list, list]:
@@ -195,7 +253,8 @@ class KServeServicer(kpb_grpc.GRPCInferenceServiceServicer):
         m = self._loaded
         params = {"model_kind": m.kind.name.lower(), "architecture": m.architecture, "vocab_size": str(m.vocab_size),
                   "max_sequence_length": str(m.max_seq_len), "dtype": str(m.dtype).removeprefix("torch."),
-                  "content_hash": m.content_hash, "request_parameters": ",".join(REQUEST_PARAMETERS)}
+                  "content_hash": m.content_hash, "request_parameters": REQUEST_PARAMETERS.describe(),
+                  "output_parameters": OUTPUT_PARAMETERS.describe()}
         config = kpb.ModelConfig(
             name=m.name, platform="logitserve", backend="logitserve", max_batch_size=0,
             input=[kpb.ModelInput(name=n, data_type=_CONFIG_TYPE[d], dims=s, optional=o) for n, d, s, o in inputs],
@@ -234,15 +293,15 @@ class KServeServicer(kpb_grpc.GRPCInferenceServiceServicer):
         try:
             if not self._ready():
                 raise Unavailable(SHUTTING_DOWN)
+            too_long = codec.request_id_error(request.id)
+            if too_long is not None:
+                raise InvalidRequest("id", too_long.split(": ", 1)[1])
             if not self._serves(request.model_name):
-                raise InvalidRequest("model_name", f"{request.model_name!r} is not served here; this server "
+                raise InvalidRequest("model_name", f"{request.model_name[:64]!r} is not served here; this server "
                                                    f"holds {self._loaded.name!r}")
-            job, names = decode(request, self._loaded.kind)
+            job, names, timeout = decode(request, self._loaded.kind)
             self._native.check_size(job)
             validate_job(job, self._loaded.limits)
-            timeout = _param(request.parameters, "timeout_s")
-            if timeout is not None and not timeout > 0:
-                raise InvalidRequest("parameters[timeout_s]", f"{timeout} must be > 0")
             return await self._answer(request, job, names, timeout), None
         except asyncio.CancelledError:
             status = grpc.StatusCode.CANCELLED
@@ -253,7 +312,8 @@ class KServeServicer(kpb_grpc.GRPCInferenceServiceServicer):
             status = failure[0]
             return None, failure
         finally:
-            account(self._metrics, request.id or f"kserve-{next(self._ids)}", job, status, time.monotonic() - started)
+            account(self._metrics, codec.shown_id(request.id) or f"kserve-{next(self._ids)}", job, status,
+                    time.monotonic() - started)
 
     async def _answer(self, request: kpb.ModelInferRequest, job: Job, names: list[str],
                       timeout: Optional[float]) -> kpb.ModelInferResponse:

@@ -19,6 +19,22 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(out, default=str)
 
 
+_CONTROL = {c: f"\\x{c:02x}" for c in (*range(0x20), 0x7F)} | {0x0A: "\\n", 0x0D: "\\r", 0x09: "\\t"}
+
+
+def escape(text: str) -> str:
+    """Control characters as escapes: text from a client (a request id) can never start a log line of its own."""
+    return text.translate(_CONTROL)
+
+
+class TextFormatter(logging.Formatter):
+    """The plain format, with the message's control characters escaped (tracebacks stay multi-line)."""
+
+    def formatMessage(self, record: logging.LogRecord) -> str:
+        record.message = escape(record.message)
+        return super().formatMessage(record)
+
+
 def configure(fmt: str = "text") -> None:
     handler = logging.StreamHandler()
     if fmt == "json":
@@ -26,5 +42,5 @@ def configure(fmt: str = "text") -> None:
         formatter.converter = __import__("time").gmtime
         handler.setFormatter(formatter)
     else:
-        handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
+        handler.setFormatter(TextFormatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
     logging.basicConfig(level=logging.INFO, handlers=[handler], force=True)

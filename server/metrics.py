@@ -114,7 +114,7 @@ class Metrics:
         self.queue_requests.set_function(scheduler.queue_length)
         self.queued_tokens.set_function(scheduler.queued_tokens)
 
-    def serve(self, port: int, host: str = "0.0.0.0") -> Optional[object]:
+    def serve(self, port: int, host: str = "127.0.0.1") -> Optional[object]:
         """Expose /metrics over HTTP on `port` (0: a free one); returns the http server."""
         server, _ = start_http_server(port, addr=host, registry=self.registry)
         return server

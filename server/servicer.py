@@ -33,6 +33,15 @@ class StreamLimits:
     max_in_flight: int = 256             # requests in flight on one stream (--max-in-flight-per-stream)
 
 
+def add_to(servicer: "LogitServeServicer", gate) -> None:
+    """Register the native service on the gate; Forward's messages are decoded leniently (codec.Undecodable)
+    so that an undecodable one ends its stream with INVALID_ARGUMENT, not with a silent OK."""
+    pb_grpc.add_LogitServeServicer_to_server(servicer, gate)
+    gate.override("logitserve.v1.LogitServe", "Forward", grpc.stream_stream_rpc_method_handler(
+        servicer.Forward, request_deserializer=codec.decode_forward_request,
+        response_serializer=pb.ForwardResponse.SerializeToString))
+
+
 class LogitServeServicer(pb_grpc.LogitServeServicer):
     def __init__(self, scheduler: Scheduler, info: pb.ModelInfoResponse, limits, max_message_bytes: int,
                  text=None, metrics=None, stream_limits: StreamLimits = StreamLimits()):
@@ -79,9 +88,22 @@ class LogitServeServicer(pb_grpc.LogitServeServicer):
             await window.acquire()
             out.put_nowait(msg)
 
+        broken: list[str] = []      # why the request stream cannot be read on (an undecodable message)
+
         async def read() -> None:
             async for req in request_iterator:
+                if isinstance(req, codec.Undecodable):   # framing is intact, but no request id to answer under
+                    broken.append(f"a ForwardRequest message of {req.size} bytes could not be decoded "
+                                  f"({req.error}); the stream ends after the requests already in flight")
+                    return
                 rid = req.request_id
+                too_long = codec.request_id_error(rid)
+                if too_long is not None:   # answered under its first bytes; never logged or echoed whole
+                    rid = codec.shown_id(rid)
+                    if not req.cancel:
+                        await emit(codec.encode_error(rid, grpc.StatusCode.INVALID_ARGUMENT, too_long))
+                        account(self._metrics, rid, None, grpc.StatusCode.INVALID_ARGUMENT, 0.0)
+                    continue
                 if req.cancel:
                     if rid in in_flight:
                         cancel_requested.add(rid)
@@ -113,6 +135,9 @@ class LogitServeServicer(pb_grpc.LogitServeServicer):
                     continue
                 window.release()
                 yield item
+            if broken:
+                context.set_code(grpc.StatusCode.INVALID_ARGUMENT)
+                context.set_details(broken[0])
         finally:
             self._streams.discard(out)
             reader.cancel()

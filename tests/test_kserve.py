@@ -101,7 +101,7 @@ def test_config_statistics_and_index_count_both_apis(model_dirs):
                 ("candidate_ids", kpb.TYPE_INT32, [-1, -1, -1], True)]
             assert {o.name: o.data_type for o in config.output}["topk_ids"] == kpb.TYPE_INT32
             assert config.parameters["vocab_size"].string_value == str(VOCAB)
-            assert "temperature" in config.parameters["request_parameters"].string_value.split(",")
+            assert "temperature:float" in config.parameters["request_parameters"].string_value.split(",")
             with pytest.raises(grpc.RpcError) as e:
                 stub.ModelConfig(kpb.ModelConfigRequest(name="other"))
             assert e.value.code() == grpc.StatusCode.NOT_FOUND
