@@ -142,8 +142,13 @@ class Running:
         await self.health.enter_graceful_shutdown()
         if self.servicer is not None:
             self.servicer.drain()
-        await self.server.stop(grace)
+            deadline = time.monotonic() + (grace or 0)
+            while self.servicer.in_flight() and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            self.servicer.end_in_flight()      # what still runs hears UNAVAILABLE, not a bare GOAWAY
+        await self.server.stop(min(grace or 0, 1.0))
         self.scheduler.shutdown()
+        await asyncio.to_thread(self.scheduler.join, 10.0)
         if self.metrics_http is not None:
             self.metrics_http.shutdown()
 

@@ -203,10 +203,16 @@ def _cmd_serve(args, argv: list[str]) -> int:
     import dataclasses
 
     try:
-        return asyncio.run(serve(dataclasses.replace(model, device=args.device), config))
+        code = asyncio.run(serve(dataclasses.replace(model, device=args.device), config))
     except PortInUse as e:
         print(f"logitserve: {e}", file=sys.stderr)
         return 1
+    # As under torchrun: a compute thread still inside torch at interpreter teardown aborts the process
+    # ("terminate called without an active exception"); the server is done, so leave with its exit code.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _cmd_info(args) -> int:

@@ -25,6 +25,7 @@ from logitserve.engine import Piece
 from logitserve.errors import OverLimit
 from logitserve.spec import Job
 
+# (jobs, skip) -> (job index, Piece, or the exception that ends that job alone)
 BatchRun = Callable[[list, Callable[[int], bool]], Iterator[tuple[int, object]]]
 
 
@@ -169,6 +170,11 @@ class Scheduler:
             self._stopping = True
             self._cond.notify()
 
+    def join(self, timeout: float) -> bool:
+        """Wait for the compute thread to finish its batch after shutdown(); whether it did."""
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
     # -- compute thread -----------------------------------------------------------
     def _next_batch(self) -> Optional[list[_Ticket]]:
         c = self.config
@@ -219,7 +225,11 @@ class Scheduler:
         try:
             for i, item in pieces:
                 if not live[i]:
+                    if not any(live):    # every job gone (cancelled, stalled, shutting down): stop computing
+                        break
                     continue
+                if isinstance(item, BaseException):   # that job's own error: it alone fails
+                    item = _Failed(item)
                 try:
                     batch[i].send(item, stall)
                 except _Gone:
@@ -253,8 +263,7 @@ def engine_batch_runner(batch_steps) -> BatchRun:
         steps = batch_steps(jobs, skip)
         try:
             for step in steps:
-                for i, error in step.errors:
-                    yield i, _Failed(error)
+                yield from step.errors
                 yield from step.pieces
         finally:
             steps.close()

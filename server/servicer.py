@@ -21,6 +21,8 @@ _FINISHED = object()
 # Response messages a stream may have queued ahead of the network: bounds memory per slow client.
 STREAM_WINDOW = 8
 SHUTTING_DOWN = "the server is shutting down; retry on another replica"
+ENDED_BY_SHUTDOWN = ("the server shut down before this request finished (its --grace-s ran out); "
+                     "retry on another replica")
 
 
 @dataclass(frozen=True)
@@ -47,7 +49,9 @@ class LogitServeServicer(pb_grpc.LogitServeServicer):
                  text=None, metrics=None, stream_limits: StreamLimits = StreamLimits()):
         self._stream_limits = stream_limits
         self._streams: set[asyncio.Queue] = set()     # each open stream's outbox
+        self._requests: set[asyncio.Task] = set()     # every stream's requests in flight
         self._draining = False
+        self._ending = False                          # past the grace period: in-flight requests get UNAVAILABLE
         self._scheduler = scheduler
         self._metrics = metrics    # metrics.Metrics, or None
         self._text = text          # tokenizing.TextEncoder, or None: texts are refused
@@ -68,6 +72,15 @@ class LogitServeServicer(pb_grpc.LogitServeServicer):
         self._draining = True
         for out in self._streams:
             out.put_nowait(_FINISHED)
+
+    def in_flight(self) -> int:
+        return len(self._requests)
+
+    def end_in_flight(self) -> None:
+        """Past the grace period: every request still running ends now with UNAVAILABLE (its stream then ends)."""
+        self._ending = True
+        for task in list(self._requests):
+            task.cancel()
 
     async def Forward(self, request_iterator, context):
         refusal = ((grpc.StatusCode.UNAVAILABLE, SHUTTING_DOWN) if self._draining else
@@ -120,7 +133,9 @@ class LogitServeServicer(pb_grpc.LogitServeServicer):
                 task = asyncio.create_task(self._serve_one(req, emit, in_flight, cancel_requested))
                 in_flight[rid] = task
                 tasks.add(task)
-                task.add_done_callback(lambda t: (tasks.discard(t), out.put_nowait(_FINISHED)))
+                self._requests.add(task)
+                task.add_done_callback(lambda t: (tasks.discard(t), self._requests.discard(t),
+                                                  out.put_nowait(_FINISHED)))
 
         # Done-callbacks run after a task is done, so each _FINISHED sees the state it announces.
         reader = asyncio.create_task(read())
@@ -207,6 +222,10 @@ class LogitServeServicer(pb_grpc.LogitServeServicer):
             await emit(codec.encode_done(rid, job, self._identity, n, self._info.batching))
         except asyncio.CancelledError:
             status = grpc.StatusCode.CANCELLED
+            if self._ending:    # the server's grace period is over: say so, then end quietly
+                status = grpc.StatusCode.UNAVAILABLE
+                await emit(codec.encode_error(rid, status, ENDED_BY_SHUTDOWN))
+                return
             if rid in cancel_requested:   # a cancel message, not the stream closing: say so, then end quietly
                 cancel_requested.discard(rid)
                 await emit(codec.encode_error(rid, grpc.StatusCode.CANCELLED, f"request {rid!r} cancelled by the client"))

@@ -18,6 +18,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from . import collectives
+
 CP_ATTENTION = "logitserve_cp"
 _state = threading.local()
 
@@ -43,7 +45,7 @@ def head_tail(length: int, cp: int, rank: int) -> tuple[torch.Tensor, list[Run]]
 
 def _all_gather_cat(t: torch.Tensor, group, dim: int) -> torch.Tensor:
     parts = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(parts, t.contiguous(), group=group)
+    collectives.all_gather(parts, t.contiguous(), group=group)
     return torch.cat(parts, dim=dim)
 
 

@@ -71,18 +71,20 @@ class DistributedRunner:
         self._collective(dist.gather_object, pieces, out, dst=0, group=self._ctx.control_group)
         return [p for rank_pieces in out for p in rank_pieces]
 
-    def run_batch(self, jobs: list[Job], skip: Callable[[int], bool] = lambda i: False) -> Iterator[tuple[int, Piece]]:
-        """One broadcast for the batch; (job index, piece) as the ranks' steps are gathered.
+    def run_batch(self, jobs: list[Job], skip: Callable[[int], bool] = lambda i: False) -> Iterator[tuple[int, object]]:
+        """One broadcast for the batch; (job index, piece or the job's exception) as the ranks' steps are gathered.
 
         `skip` is not honoured mid-batch: the other ranks are computing the same steps, so
         a cancelled job's steps still run (their pieces are dropped by the scheduler).
         """
         with self._lock:
             self._broadcast((_JOB, jobs))
-            steps = self._engine.batch_steps(jobs, isolate=False)
-            # A step runs the model's TP/CP collectives too: any failure in it leaves the ranks out of step.
+            steps = self._engine.batch_steps(jobs)
+            # A job's own error (every rank raises it alike) stays in its Step.errors and the ranks go on in
+            # step; what escapes a step (a failed collective) leaves them out of step: fatal.
             try:
                 while (step := self._collective(next, steps, _END)) is not _END:
+                    yield from step.errors      # (job, exception): that job alone fails, with its status
                     others = _others_emit(jobs, step, self._ctx)
                     yield from self._gather(list(step.pieces)) if others else step.pieces
             except GeneratorExit:
@@ -116,6 +118,6 @@ def follow(engine: Engine, ctx: ParallelContext) -> None:
         if kind == _STOP:
             return
         if kind == _JOB:
-            for step in engine.batch_steps(job, isolate=False):
+            for step in engine.batch_steps(job):   # a job's error is rank 0's to report; a collective's raises
                 if _others_emit(job, step, ctx):
                     dist.gather_object(list(step.pieces), None, dst=0, group=ctx.control_group)

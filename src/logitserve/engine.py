@@ -21,6 +21,7 @@ from typing import Callable, Iterator, Optional
 import torch
 import torch.nn.functional as F
 
+from .collectives import CollectiveFailed
 from .context_parallel import cp_forward, head_tail
 from .loading import LoadedModel
 from .memory import ModelDims
@@ -59,7 +60,7 @@ class Step:
 
     jobs: tuple[int, ...]                                  # the jobs this step computed for
     pieces: tuple[tuple[int, Piece], ...] = ()             # (job, piece) this rank emits
-    errors: tuple[tuple[int, Exception], ...] = ()         # jobs that failed here (single process only)
+    errors: tuple[tuple[int, Exception], ...] = ()         # jobs that failed here (alike on every rank)
 
 
 class Engine:
@@ -146,10 +147,11 @@ class Engine:
         """This rank's Steps for a whole batch.
 
         `skip(j)` drops job j (cancelled) from the work not yet done. With `isolate`, a job
-        whose work fails gets its exception in one Step and is dropped; the others go on
-        (single process only: ranks would fall out of step). Shared work that fails (a
-        packed body, a head chunk of several jobs) is redone per job, so a failure lands
-        on the job that caused it.
+        whose work fails gets its exception in one Step and is dropped; the others go on.
+        Shared work that fails (a packed body, a head chunk of several jobs) is redone per
+        job, so a failure lands on the job that caused it. Across ranks this keeps them in
+        step as long as every rank raises alike for the same job (a request's own error);
+        a failed collective (CollectiveFailed) is never isolated: the ranks are out of step.
         """
         run = _Run(jobs, skip or (lambda j: False), isolate)
         if self.batching is Batching.EXACT:
@@ -215,9 +217,8 @@ class Engine:
         ids = {(m.job, m.sequence): self._ids(jobs[m.job].sequences[m.sequence]) for m in members}
         try:
             h = self.packed_hidden(torch.cat(list(ids.values())), [m.length for m in members])  # [N, H]
-        except Exception:
-            if not run.isolate:
-                raise
+        except Exception as e:
+            run.reraise_unless_isolated(e)
             for m in members:   # redo per sequence: whoever fails, fails alone
                 if run.live(m.job):
                     yield from run.guard(m.job, self._sequence_steps(m.job, jobs[m.job], m.sequence, ids[(m.job, m.sequence)]))
@@ -253,9 +254,8 @@ class Engine:
         """One head chunk of a pack: one matmul for all its rows, then each job's outputs on its own rows."""
         try:
             z = self.logits(h)                                                                  # [c, V/tp] at T = 1
-        except Exception:
-            if not run.isolate:
-                raise
+        except Exception as e:
+            run.reraise_unless_isolated(e)
             z = None                                        # redo per job below
         pieces, errors = [], []
         for j, job_segs in segs.items():
@@ -271,8 +271,7 @@ class Engine:
                 rebased = [Segment(g.sequence, g.ids, g.s0, g.s1, g.row - first) for g in job_segs]
                 pieces += [(j, p) for p in block_pieces(job, zj, rebased, self.head_shard, cands[j])]
             except Exception as e:
-                if not run.isolate:
-                    raise
+                run.reraise_unless_isolated(e)
                 run.failed.add(j)
                 errors.append((j, e))
         return Step(tuple(segs), tuple(pieces), tuple(errors))
@@ -298,7 +297,11 @@ class _Run:
                 if not self.live(j):
                     return
         except Exception as e:
-            if not self.isolate:
-                raise
+            self.reraise_unless_isolated(e)
             self.failed.add(j)
             yield Step((j,), errors=((j, e),))
+
+    def reraise_unless_isolated(self, e: Exception) -> None:
+        """A job's own error stays with the job (when isolating); a failed collective never does."""
+        if not self.isolate or isinstance(e, CollectiveFailed):
+            raise e

@@ -8,10 +8,10 @@ expert) sum their outputs. Every collective runs on the TP group, which has the 
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from . import collectives
 from .tp_plan import Style
 
 
@@ -23,7 +23,7 @@ def _row_forward(module: nn.Linear, group, rank: int, split_input: bool):
             width = weight.shape[-1]
             x = x.narrow(-1, rank * width, width)
         y = F.linear(x, weight)                    # [.., out] partial sums
-        dist.all_reduce(y, group=group)
+        collectives.all_reduce(y, group=group)
         return y if bias is None else y + bias
     return forward
 
@@ -31,7 +31,7 @@ def _row_forward(module: nn.Linear, group, rank: int, split_input: bool):
 def _gather_hook(group, tp: int):
     def hook(module, args, out: torch.Tensor) -> torch.Tensor:   # out [.., out/tp]
         parts = [torch.empty_like(out) for _ in range(tp)]
-        dist.all_gather(parts, out.contiguous(), group=group)
+        collectives.all_gather(parts, out.contiguous(), group=group)
         return torch.cat(parts, dim=-1)                           # [.., out]
     return hook
 
@@ -39,7 +39,7 @@ def _gather_hook(group, tp: int):
 def _reduce_hook(group):
     def hook(module, args, out):
         first = out[0] if isinstance(out, tuple) else out
-        dist.all_reduce(first, group=group)
+        collectives.all_reduce(first, group=group)
         return out
     return hook
 
@@ -59,7 +59,7 @@ def install_vocab_embedding(module: nn.Embedding, start: int, real: int, group) 
         local = ids - start
         outside = (local < 0) | (local >= real)              # [B, S]
         out = F.embedding(local.masked_fill(outside, 0), weight).masked_fill(outside[..., None], 0)   # [B, S, H]
-        dist.all_reduce(out, group=group)                    # one rank contributes each row: exact
+        collectives.all_reduce(out, group=group)                    # one rank contributes each row: exact
         return out if scale is None else out * scale.to(out.dtype)
     module.forward = forward
 

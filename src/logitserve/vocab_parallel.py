@@ -13,6 +13,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from . import collectives
+
 
 @dataclass(frozen=True)
 class VocabShard:
@@ -32,7 +34,7 @@ def full_vocab(vocab_size: int) -> VocabShard:
 
 def _all_reduce(t: torch.Tensor, op, shard: VocabShard) -> torch.Tensor:
     if shard.distributed:
-        dist.all_reduce(t, op=op, group=shard.group)
+        collectives.all_reduce(t, op=op, group=shard.group)
     return t
 
 
@@ -89,8 +91,8 @@ def vp_topk(z: torch.Tensor, k: int, shard: VocabShard) -> tuple[torch.Tensor, t
     world = dist.get_world_size(shard.group)
     all_vals = [torch.empty_like(vals) for _ in range(world)]
     all_idx = [torch.empty_like(idx) for _ in range(world)]
-    dist.all_gather(all_vals, vals.contiguous(), group=shard.group)
-    dist.all_gather(all_idx, idx.contiguous(), group=shard.group)
+    collectives.all_gather(all_vals, vals.contiguous(), group=shard.group)
+    collectives.all_gather(all_idx, idx.contiguous(), group=shard.group)
     cat_vals = torch.cat(all_vals, dim=-1)                           # [N, tp * k_local]
     cat_idx = torch.cat(all_idx, dim=-1)
     top_vals, pos = torch.topk(cat_vals, k, dim=-1, sorted=True)     # [N, k]

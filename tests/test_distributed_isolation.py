@@ -1,0 +1,88 @@
+"""Across 2 gloo ranks (TP 2, and CP 2): a job that every rank fails on fails alone; the ranks stay in step.
+
+The job is built past validation (a float top_k, what an untyped front-end once let through), so the
+error is raised inside the engine on every rank; the batch's other job and the next batch must come
+back equal to one-process float64 transformers, and the server's runner must not count a lost rank.
+"""
+from __future__ import annotations
+
+import os
+import socket
+
+import numpy as np
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from helpers import Reference, build_model, ref_token_logprobs
+
+V = 1003
+
+
+def _rank(rank: int, world: int, tp: int, cp: int, port: int, directory: str, seqs, out) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    torch.set_num_threads(1)
+    from logitserve.distributed import DistributedRunner, follow
+    from logitserve.engine import EngineConfig
+    from logitserve.parallel import ParallelConfig, init_parallel
+    from logitserve.server.app import ModelConfig, ServerConfig, _rank_engine
+    from logitserve.spec import Job, LogprobsOpts
+
+    ctx = init_parallel(ParallelConfig(tp=tp, cp=cp, collective_timeout_s=30, device="cpu"))
+    engine, _ = _rank_engine(ModelConfig(path=directory), ServerConfig(engine=EngineConfig(chunk_size=16)), ctx)
+    if rank != 0:
+        follow(engine, ctx)
+        return
+    runner = DistributedRunner(engine, ctx)
+    good = Job(sequences=tuple(np.asarray(s, np.int32) for s in seqs), logprobs=LogprobsOpts(top_k=7))
+    bad = Job(sequences=good.sequences, logprobs=LogprobsOpts(top_k=7.0))      # past validation on purpose
+    result = {"errors": [], "good": {}, "after": {}}
+    for i, item in runner.run_batch([bad, good]):
+        if isinstance(item, BaseException):
+            result["errors"].append((i, type(item).__name__))
+        else:
+            result["good" if i == 1 else "bad_pieces"] = result.get("good" if i == 1 else "bad_pieces", {})
+            result["good" if i == 1 else "bad_pieces"].setdefault(item.sequence, {})[item.offset[0]] = item.tensor.numpy()
+    for i, item in runner.run_batch([good]):      # the ranks are still in step
+        result["after"].setdefault(item.sequence, {})[item.offset[0]] = item.tensor.numpy()
+    result["failed"] = runner.failed
+    runner.stop()
+    out.put(result)
+
+
+def _assemble(parts: dict, seqs) -> list[np.ndarray]:
+    return [np.concatenate([parts[i][o] for o in sorted(parts[i])]) for i in range(len(seqs))]
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    directory = build_model(tmp_path_factory.mktemp("iso") / "llama", "llama", vocab=V)
+    return directory, Reference(directory)
+
+
+@pytest.mark.parametrize("tp,cp", [(2, 1), (1, 2)])
+def test_a_job_every_rank_fails_on_fails_alone(model, tp, cp):
+    directory, ref = model
+    rng = np.random.default_rng(3)
+    seqs = [rng.integers(0, V, n).tolist() for n in (5, 40)]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_rank, args=(r, tp * cp, tp, cp, port, str(directory), seqs, out)) for r in range(tp * cp)]
+    for p in procs:
+        p.start()
+    result = out.get(timeout=240)
+    for p in procs:
+        p.join(60)
+    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+    assert result["failed"] is None
+    assert result["errors"] and {i for i, _ in result["errors"]} == {0}, result["errors"]
+    assert result["errors"][0][1] == "TypeError"
+    for got in (_assemble(result["good"], seqs), _assemble(result["after"], seqs)):
+        for seq, lp in zip(seqs, got):
+            want = ref_token_logprobs(ref.logits(seq), seq, top_k=7)
+            finite = np.isfinite(want)
+            assert np.array_equal(np.isfinite(lp), finite)
+            np.testing.assert_allclose(lp[finite], want[finite], atol=1e-5)
