@@ -117,9 +117,9 @@ class AsyncTeacherClient(OutputsMixin):
                 retry = e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
                 if not retry or time.monotonic() + delay >= deadline:
                     err = LogitServeError.from_rpc(e)
-                    if retry:
-                        err = LogitServeError(e.code(), f"the server was not ready within {timeout_s:g} s: "
-                                                        f"{e.details()}")
+                    if retry:      # still starting, or nothing listening: UNAVAILABLE either way
+                        err = LogitServeError(grpc.StatusCode.UNAVAILABLE, f"the server was not ready within "
+                                                                           f"{timeout_s:g} s: {e.details()}")
                     raise err from None
             await asyncio.sleep(delay)
             delay = min(1.0, delay * 2)

@@ -67,6 +67,15 @@ def request_id_error(rid: str) -> Optional[str]:
     return None if n <= MAX_REQUEST_ID else f"request_id: {n} bytes is over the limit of {MAX_REQUEST_ID} bytes"
 
 
+ECHO_ID_BYTES = 64 << 10   # an over-long id up to this size is echoed whole (the client can match it), never logged
+
+
+def echoed_id(rid: str) -> str:
+    """The id an error answers under: whole while it fits comfortably in a message, else its first bytes."""
+    return rid if len(rid) <= ECHO_ID_BYTES // 4 or len(rid.encode("utf-8", "surrogatepass")) <= ECHO_ID_BYTES \
+        else shown_id(rid)
+
+
 def shown_id(rid: str) -> str:
     """A request id as it may be logged or echoed: at most MAX_REQUEST_ID bytes."""
     return rid if len(rid) <= MAX_REQUEST_ID // 4 or request_id_error(rid) is None else \

@@ -135,9 +135,9 @@ def _input(req: kpb.ModelInferRequest, name: str) -> Optional[np.ndarray]:
     return None
 
 
-def decode(req: kpb.ModelInferRequest, kind: ModelKind) -> tuple[Job, list[str], Optional[float]]:
-    """The Job, the output names and the deadline (s) of a ModelInferRequest; malformed input raises
-    InvalidRequest naming the input or parameter."""
+def decode(req: kpb.ModelInferRequest, kind: ModelKind) -> tuple[Job, list[str], dict]:
+    """The Job, the output names and the typed parameters of a ModelInferRequest (its deadline: timeout_of);
+    malformed input raises InvalidRequest naming the input or parameter."""
     names = [o.name for o in req.outputs] or (["scores"] if kind is ModelKind.REWARD else ["token_logprobs"])
     unknown = sorted(set(names) - set(OUTPUTS))
     if unknown:
@@ -170,7 +170,7 @@ def decode(req: kpb.ModelInferRequest, kind: ModelKind) -> tuple[Job, list[str],
         sl = SliceOpts(*(p.get(n) for n in ("seq_start", "seq_end", "vocab_start", "vocab_end")))
     job = Job(sequences=seqs, temperature=p.get("temperature", 1.0), logprobs=logprobs, topk=topk,
               candidates=cands, full_logits=sl, scores="scores" in names)
-    return job, names, timeout_of(p)
+    return job, names, p
 
 
 class _Dense:
@@ -299,7 +299,8 @@ class KServeServicer(kpb_grpc.GRPCInferenceServiceServicer):
             if not self._serves(request.model_name):
                 raise InvalidRequest("model_name", f"{request.model_name[:64]!r} is not served here; this server "
                                                    f"holds {self._loaded.name!r}")
-            job, names, timeout = decode(request, self._loaded.kind)
+            job, names, params = decode(request, self._loaded.kind)
+            timeout = timeout_of(params)
             self._native.check_size(job)
             validate_job(job, self._loaded.limits)
             return await self._answer(request, job, names, timeout), None

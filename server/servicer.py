@@ -111,11 +111,11 @@ class LogitServeServicer(pb_grpc.LogitServeServicer):
                     return
                 rid = req.request_id
                 too_long = codec.request_id_error(rid)
-                if too_long is not None:   # answered under its first bytes; never logged or echoed whole
-                    rid = codec.shown_id(rid)
+                if too_long is not None:   # refused before anything else; logged by its first bytes only
                     if not req.cancel:
-                        await emit(codec.encode_error(rid, grpc.StatusCode.INVALID_ARGUMENT, too_long))
-                        account(self._metrics, rid, None, grpc.StatusCode.INVALID_ARGUMENT, 0.0)
+                        await emit(codec.encode_error(codec.echoed_id(rid), grpc.StatusCode.INVALID_ARGUMENT,
+                                                      too_long))
+                        account(self._metrics, codec.shown_id(rid), None, grpc.StatusCode.INVALID_ARGUMENT, 0.0)
                     continue
                 if req.cancel:
                     if rid in in_flight:

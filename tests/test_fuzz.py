@@ -1,6 +1,8 @@
 """Hypothesis-made malformed requests against a live server: each gets a clear status (never INTERNAL) or is
-ignored, on streams of several requests with cancel storms and hang-ups; the server never crashes or hangs, memory stays bounded, and a good request afterwards is answered
-right. CI runs a few hundred cases; `pytest -m slow tests/test_fuzz.py` runs 10,000."""
+ignored, on streams of several requests with cancel storms and hang-ups, and KServe requests with parameters of
+every type and tensors of every shape; the server never crashes or hangs, memory stays bounded, and a good
+request afterwards is answered right. CI runs a few hundred cases at TP 1 and a short run at TP 2;
+`pytest -m slow tests/test_fuzz.py` runs 10,000."""
 from __future__ import annotations
 
 from collections import Counter
@@ -15,6 +17,8 @@ from hypothesis import strategies as st
 from conftest import CliServer
 from helpers import ref_token_logprobs
 from logitserve.client import TeacherClient
+from logitserve.kserve import grpc_predict_v2_pb2 as kpb
+from logitserve.kserve import grpc_predict_v2_pb2_grpc as kpb_grpc
 from logitserve.v1 import logitserve_pb2 as pb
 from logitserve.v1 import logitserve_pb2_grpc as pb_grpc
 
@@ -42,9 +46,12 @@ def tensors(draw, ids=True):
     return pb.Tensor(dtype=draw(st.integers(-2, 9)), shape=shape, data=data)
 
 
+request_ids = st.one_of(st.text(max_size=8), st.text(max_size=300), st.sampled_from(["a\nb", "\r\n{}", "x" * 5000]))
+
+
 @st.composite
 def requests(draw):
-    req = pb.ForwardRequest(request_id=draw(st.text(max_size=draw(st.sampled_from([8, 300])))))
+    req = pb.ForwardRequest(request_id=draw(request_ids))
     req.sequences.extend(draw(st.lists(tensors(), max_size=4)))
     if draw(st.booleans()):
         req.temperature = draw(floats)
@@ -111,6 +118,92 @@ def streams(draw):
     return reqs, draw(st.booleans()) and not any(r.cancel for r in reqs)
 
 
+KSERVE_NAMES = ["k", "temperature", "top_k", "top_p", "topk_as_logprobs", "topk_dtype", "seq_start", "seq_end",
+                "vocab_start", "vocab_end", "timeout_s", "timeout", "priority", "classification", "sequence_id", "x\ny"]
+KSERVE_OUTPUTS = ["token_logprobs", "topk_values", "topk_ids", "topk_tail", "candidate_logprobs", "full_logits",
+                  "scores", "nope"]
+KSERVE_ALLOWED = ALLOWED | {grpc.StatusCode.NOT_FOUND}
+param_values = st.one_of(st.booleans(), st.integers(-(2 ** 63), 2 ** 63 - 1), st.integers(-3, 1100),
+                         st.floats(allow_nan=True, allow_infinity=True), st.sampled_from([1.0, 4.0, 0.5, 1003.0]),
+                         st.text(max_size=6), st.sampled_from(["FP32", "bf16", "true", "false"]),
+                         st.integers(0, 2 ** 64 - 1), st.none())
+
+
+def _set_param(p, value) -> None:
+    if value is None:
+        return                        # an InferParameter with no value
+    if isinstance(value, bool):
+        p.bool_param = value
+    elif isinstance(value, int):
+        if value >= 2 ** 63:
+            p.uint64_param = value
+        else:
+            p.int64_param = value
+    elif isinstance(value, float):
+        p.double_param = value
+    else:
+        p.string_param = value
+
+
+@st.composite
+def kserve_tensor(draw, name):
+    datatype = draw(st.sampled_from(["INT32", "INT64", "FP32", "BYTES", ""]))
+    shape = draw(st.lists(st.one_of(st.integers(0, 12), st.integers(-2, 2 ** 40), st.just(2 ** 32)), max_size=3))
+    count = int(np.prod(shape)) if all(0 <= d <= 12 for d in shape) else 0
+    width = 8 if datatype == "INT64" else 4
+    rng = np.random.default_rng(draw(st.integers(0, 2 ** 32)))
+    how = draw(st.sampled_from(["ids", "wide", "random"]))
+    if how == "ids" and count:
+        raw = rng.integers(-2, 1010, count).astype("<i8" if width == 8 else "<i4").tobytes()
+    elif how == "wide" and count and width == 8:
+        raw = rng.integers(-(2 ** 40), 2 ** 40, count).astype("<i8").tobytes()
+    else:
+        raw = draw(st.binary(max_size=64))
+    return kpb.ModelInferRequest.InferInputTensor(name=name, datatype=datatype, shape=shape), raw
+
+
+@st.composite
+def valid_kserve_requests(draw):
+    """A well-formed ModelInfer, with one parameter of a fuzzed type now and then."""
+    lengths = draw(st.lists(st.integers(1, 60), min_size=1, max_size=4))
+    rng = np.random.default_rng(draw(st.integers(0, 2 ** 32)))
+    ids = np.zeros((len(lengths), max(lengths)), np.int32)
+    for b, n in enumerate(lengths):
+        ids[b, :n] = rng.integers(0, 1003, n)
+    req = kpb.ModelInferRequest(model_name="", id=draw(st.text(max_size=8)))
+    req.inputs.add(name="input_ids", datatype="INT32", shape=list(ids.shape))
+    req.raw_input_contents.append(ids.tobytes())
+    req.inputs.add(name="sequence_lengths", datatype="INT32", shape=[len(lengths)])
+    req.raw_input_contents.append(np.asarray(lengths, np.int32).tobytes())
+    outputs = draw(st.sampled_from([["token_logprobs"], ["topk_values", "topk_ids"], ["full_logits"]]))
+    for name in outputs:
+        req.outputs.add(name=name)
+    if "topk_values" in outputs:
+        _set_param(req.parameters["k"], draw(st.sampled_from([5, 5.0, 1003, 2.5, "5", float("nan")])))
+    if draw(st.booleans()):
+        _set_param(req.parameters[draw(st.sampled_from(KSERVE_NAMES[:13]))], draw(param_values))
+    return req
+
+
+@st.composite
+def kserve_requests(draw):
+    if draw(st.integers(0, 2)) == 0:
+        return draw(valid_kserve_requests())
+    req = kpb.ModelInferRequest(model_name=draw(st.sampled_from(["", "", "other"])), id=draw(request_ids))
+    for name in draw(st.lists(st.sampled_from(["input_ids", "input_ids", "sequence_lengths", "candidate_ids"]),
+                              max_size=3)):
+        tensor, raw = draw(kserve_tensor(name))
+        req.inputs.append(tensor)
+        req.raw_input_contents.append(raw)
+    for name in draw(st.lists(st.sampled_from(KSERVE_OUTPUTS), max_size=3, unique=True)):
+        out = req.outputs.add(name=name)
+        if draw(st.integers(0, 3)) == 0:
+            _set_param(out.parameters["k"], draw(param_values))
+    for name in draw(st.lists(st.sampled_from(KSERVE_NAMES), max_size=5, unique=True)):
+        _set_param(req.parameters[name], draw(param_values))
+    return req
+
+
 @pytest.fixture(scope="module")
 def fuzz_server(model_dirs):
     """`logitserve serve` in its own process, so its RSS is the server's alone and a crash is seen."""
@@ -147,9 +240,20 @@ def _exchange(stub, reqs: list, hang_up: bool, seen: Counter) -> None:
         seen[f"stream {e.code().name}"] += 1
 
 
-def _run(fuzz_server, reference, examples: int) -> None:
+def _kserve_exchange(stub, req, seen: Counter) -> None:
+    try:
+        stub.ModelInfer(req, timeout=30)
+        seen["kserve OK"] += 1
+    except grpc.RpcError as e:
+        assert e.code() in KSERVE_ALLOWED - {DEADLINE}, (e.code(), e.details())
+        assert e.details() and "Traceback" not in e.details() and len(e.details()) < 1000, e.details()
+        seen[f"kserve {e.code().name}"] += 1
+
+
+def _run(fuzz_server, reference, examples: int, kserve_examples: int = 0) -> None:
     server, stub = fuzz_server
     proc = psutil.Process(server.proc.pid)
+    proc = (proc.children() or [proc])[0]       # under --tp the ranks are children of the launcher: rank 0
     rss0, peak, seen = proc.memory_info().rss, 0, Counter()
 
     @settings(max_examples=examples, deadline=None, derandomize=True, database=None,
@@ -165,6 +269,19 @@ def _run(fuzz_server, reference, examples: int) -> None:
             peak = max(peak, proc.memory_info().rss)
 
     one()
+    if kserve_examples:
+        with grpc.insecure_channel(server.address) as ch:
+            kstub = kpb_grpc.GRPCInferenceServiceStub(ch)
+
+            @settings(max_examples=kserve_examples, deadline=None, derandomize=True, database=None,
+                      suppress_health_check=list(HealthCheck))
+            @given(req=kserve_requests())
+            def kone(req):
+                seen["kserve cases"] += 1
+                _kserve_exchange(kstub, req, seen)
+
+            kone()
+        assert seen["kserve OK"] > 0
     assert server.proc.poll() is None, "the server died"
     assert seen["request done"] > 0                               # well-formed fuzzed requests really ran
     seq = np.array([1, 5, 9, 200, 31, 7])
@@ -180,9 +297,23 @@ def _run(fuzz_server, reference, examples: int) -> None:
 
 
 def test_fuzzed_requests_get_clear_statuses(fuzz_server, llama_ref):
-    _run(fuzz_server, llama_ref, 300)
+    _run(fuzz_server, llama_ref, 300, kserve_examples=300)
+
+
+@pytest.fixture(scope="module")
+def fuzz_server_tp2(model_dirs):
+    """The same at TP 2: a malformed request must never take a multi-rank server down."""
+    server = CliServer("--model", str(model_dirs["llama"]), "--logprob-chunk-size", "16", "--tp", "2")
+    channel = grpc.insecure_channel(server.address)
+    yield server, pb_grpc.LogitServeStub(channel)
+    channel.close()
+    assert server.stop() == 0
+
+
+def test_fuzzed_requests_at_tp2(fuzz_server_tp2, llama_ref):
+    _run(fuzz_server_tp2, llama_ref, 100, kserve_examples=150)
 
 
 @pytest.mark.slow
 def test_ten_thousand_fuzzed_requests(fuzz_server, llama_ref):
-    _run(fuzz_server, llama_ref, 10_000)
+    _run(fuzz_server, llama_ref, 10_000, kserve_examples=10_000)
