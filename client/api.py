@@ -44,35 +44,42 @@ class OutputsMixin:
                 full_logits: bool = False, seq_range: Optional[tuple[int, int]] = None,
                 vocab_range: Optional[tuple[int, int]] = None, logits_dtype: str = "fp32",
                 scores: bool = False, bf16_as_torch: bool = False, timeout_s: Optional[float] = None,
-                add_special_tokens: Optional[bool] = None):
+                add_special_tokens: Optional[bool] = None, prompt_lengths: Optional[Sequence[int]] = None):
         """Several outputs of one forward pass, as a ForwardResult.
 
         `seqs` holds token-id sequences, or texts (str) for the server to tokenize with the model's
         own tokenizer; the ids it used come back in `ForwardResult.input_ids`.
+        `prompt_lengths` (P_i per sequence): token outputs cover only the predictions of tokens P_i..L_i-1,
+        [L_i - P_i] rows whose row j predicts token P_i + j, lined up with a student's response tokens.
         """
         w = Wanted(temperature=temperature, logprobs=logprobs, top_k=top_k, top_p=top_p, topk=topk,
                    topk_as_logprobs=topk_as_logprobs, topk_dtype=topk_dtype, topk_tail=topk_tail,
                    candidates=candidates,
                    full_logits=full_logits, seq_range=seq_range, vocab_range=vocab_range,
                    logits_dtype=logits_dtype, scores=scores, timeout_s=timeout_s,
-                   add_special_tokens=add_special_tokens)
+                   add_special_tokens=add_special_tokens, prompt_lengths=prompt_lengths)
         return self._request(seqs, w, lambda r: r, bf16_as_torch)
 
     def logprobs(self, seqs: Sequence, temperature: float = 1.0, top_k: Optional[int] = None,
-                 top_p: Optional[float] = None):
-        """Token logprobs, one [L] fp32 array per sequence (lp[0] = 0; -inf outside a filter's kept set)."""
-        w = Wanted(temperature=temperature, logprobs=True, top_k=top_k, top_p=top_p)
+                 top_p: Optional[float] = None, prompt_lengths: Optional[Sequence[int]] = None):
+        """Token logprobs, one [L] fp32 array per sequence (lp[0] = 0; -inf outside a filter's kept set); with
+        prompt_lengths one [L - P] array of the logprobs of tokens P..L-1."""
+        w = Wanted(temperature=temperature, logprobs=True, top_k=top_k, top_p=top_p, prompt_lengths=prompt_lengths)
         return self._request(seqs, w, lambda r: r.logprobs)
 
     def topk(self, seqs: Sequence, k: int, as_logprobs: bool = False, temperature: float = 1.0,
-             dtype: str = "fp32"):
-        """(values, ids): per sequence [L, k] values sorted descending and [L, k] int32 ids."""
-        w = Wanted(temperature=temperature, topk=k, topk_as_logprobs=as_logprobs, topk_dtype=dtype)
+             dtype: str = "fp32", prompt_lengths: Optional[Sequence[int]] = None):
+        """(values, ids): per sequence [L, k] values sorted descending and [L, k] int32 ids ([L - P, k], row j
+        predicting token P + j, with prompt_lengths)."""
+        w = Wanted(temperature=temperature, topk=k, topk_as_logprobs=as_logprobs, topk_dtype=dtype,
+                   prompt_lengths=prompt_lengths)
         return self._request(seqs, w, lambda r: (r.topk_values, r.topk_ids))
 
-    def candidate_logprobs(self, seqs: Sequence, candidates: Sequence, temperature: float = 1.0):
-        """log_softmax(z_t/T)[cand[t, j]]: per sequence [L, c] fp32, for caller-chosen [L, c] ids."""
-        w = Wanted(temperature=temperature, candidates=candidates)
+    def candidate_logprobs(self, seqs: Sequence, candidates: Sequence, temperature: float = 1.0,
+                           prompt_lengths: Optional[Sequence[int]] = None):
+        """log_softmax(z_t/T)[cand[t, j]]: per sequence [L, c] fp32, for caller-chosen [L, c] ids ([L - P, c]
+        rows from position P - 1 on, with prompt_lengths)."""
+        w = Wanted(temperature=temperature, candidates=candidates, prompt_lengths=prompt_lengths)
         return self._request(seqs, w, lambda r: r.candidate_logprobs)
 
     def full_logits(self, seqs: Sequence, seq_range: Optional[tuple[int, int]] = None,

@@ -32,6 +32,7 @@ class Wanted:
     scores: bool = False
     timeout_s: Optional[float] = None      # server drops the request after this long (DEADLINE_EXCEEDED)
     add_special_tokens: Optional[bool] = None   # texts only: the server's tokenizer default (True) when None
+    prompt_lengths: Optional[Sequence[int]] = None   # P_i per sequence: token outputs only for tokens P_i..L_i-1
 
 
 def int32_tensor(values, name: str) -> pb.Tensor:
@@ -86,6 +87,10 @@ def build_request(request_id: str, seqs: Sequence, w: Wanted) -> pb.ForwardReque
         req.scores.SetInParent()
     if w.timeout_s is not None:
         req.timeout_s = float(w.timeout_s)
+    if w.prompt_lengths is not None:
+        if len(w.prompt_lengths) != len(seqs):
+            raise ValueError(f"prompt_lengths: {len(w.prompt_lengths)} given for {len(seqs)} sequences")
+        req.prompt_lengths.extend(int(p) for p in w.prompt_lengths)
     return req
 
 

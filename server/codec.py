@@ -108,7 +108,8 @@ def decode_job(req: pb.ForwardRequest, texts_ids: Optional[tuple] = None) -> Job
                          for n in ("seq_start", "seq_end", "vocab_start", "vocab_end")),
                        dtype=_wire_dtype("full_logits.dtype", f.dtype))
     return Job(sequences=seqs, temperature=req.temperature if req.HasField("temperature") else 1.0,
-               logprobs=logprobs, topk=topk, candidates=cands, full_logits=sl, scores=req.HasField("scores"))
+               logprobs=logprobs, topk=topk, candidates=cands, full_logits=sl, scores=req.HasField("scores"),
+               prompt_lengths=tuple(int(p) for p in req.prompt_lengths) if req.prompt_lengths else None)
 
 
 def outputs_of(job: Optional[Job]) -> tuple[str, ...]:
@@ -145,6 +146,11 @@ def encode_piece(request_id: str, piece: Piece, max_message_bytes: int) -> Itera
     else:
         band, width = 1, max(budget // item, 1)
     one_d = piece.tensor.dim() == 1
+    if rows == 0:     # an output with no rows (prompt_lengths P = L) still arrives, as one empty chunk
+        yield pb.ForwardResponse(request_id=request_id, chunk=pb.TensorChunk(
+            output=int(piece.output), sequence=piece.sequence, full_shape=list(piece.full_shape),
+            offset=list(piece.offset), tensor=pb.Tensor(dtype=_PB_OF_TORCH[t.dtype], shape=list(piece.tensor.shape))))
+        return
     for r0 in range(0, rows, band):
         r1 = min(r0 + band, rows)
         for c0 in range(0, cols, width):

@@ -1,7 +1,8 @@
 """KServe v2 / Open Inference Protocol on the same port: what tritonclient's InferenceServerClient calls.
 
 Inputs: `input_ids` INT32/INT64 [B, L] (rows past `sequence_lengths` [B], when given, are padding),
-optional `candidate_ids` INT32 [B, L, c]. Request parameters pick the outputs' options:
+optional `candidate_ids` INT32 [B, L, c], optional `prompt_lengths` [B] (token outputs then have
+max(L - P) rows, row j predicting token P + j; candidates are then given for those rows). Request parameters pick the outputs' options:
 `temperature`, `top_k` / `top_p` (filters of the token logprobs), `k` (top-k size, also accepted on
 the requested `topk_values` output), `topk_as_logprobs`, `topk_dtype` ("BF16", "FP16", "FP32"),
 `seq_start`/`seq_end`/`vocab_start`/`vocab_end` (the full-logits rectangle), `timeout_s`; each has one
@@ -162,14 +163,24 @@ def decode(req: kpb.ModelInferRequest, kind: ModelKind) -> tuple[Job, list[str],
                         dtype=_WIRE[p.get("topk_dtype", "FP32")], tail_mass="topk_tail" in names)
     if "candidate_logprobs" in names:
         c = _input(req, "candidate_ids")
-        if c is None or c.ndim != 3 or c.shape[:2] != ids.shape:
+        if c is None or c.ndim != 3 or c.shape[0] != ids.shape[0]:
             raise InvalidRequest("inputs[candidate_ids]", f"candidate_logprobs needs INT32 candidate_ids [B, L, c] "
-                                                          f"with [B, L] = {list(ids.shape)}")
-        cands = tuple(np.ascontiguousarray(c[b, :n]) for b, n in enumerate(lengths))
+                                                          f"(or [B, max(L - P), c] with prompt_lengths), B = "
+                                                          f"{ids.shape[0]}")
+        rows = lengths if _input(req, "prompt_lengths") is None else \
+            [n - int(P) for n, P in zip(lengths, _input(req, "prompt_lengths").reshape(-1))]
+        if any(not 0 <= r <= c.shape[1] for r in rows):
+            raise InvalidRequest("inputs[candidate_ids]", f"shape {list(c.shape)} has fewer than the {max(rows)} "
+                                                          f"rows a sequence needs")
+        cands = tuple(np.ascontiguousarray(c[b, :r]) for b, r in enumerate(rows))
     if "full_logits" in names:
         sl = SliceOpts(*(p.get(n) for n in ("seq_start", "seq_end", "vocab_start", "vocab_end")))
+    prompt = _input(req, "prompt_lengths")
+    if prompt is not None and prompt.shape != (ids.shape[0],):
+        raise InvalidRequest("inputs[prompt_lengths]", f"shape {list(prompt.shape)[:4]} must be [B={ids.shape[0]}]")
     job = Job(sequences=seqs, temperature=p.get("temperature", 1.0), logprobs=logprobs, topk=topk,
-              candidates=cands, full_logits=sl, scores="scores" in names)
+              candidates=cands, full_logits=sl, scores="scores" in names,
+              prompt_lengths=None if prompt is None else tuple(int(x) for x in prompt))
     return job, names, p
 
 
@@ -229,7 +240,7 @@ class KServeServicer(kpb_grpc.GRPCInferenceServiceServicer):
     def _tensors(self) -> tuple[list, list]:
         """(inputs, outputs) as (name, datatype, shape, optional); -1: any size."""
         inputs = [("input_ids", "INT32", [-1, -1], False), ("sequence_lengths", "INT32", [-1], True),
-                  ("candidate_ids", "INT32", [-1, -1, -1], True)]
+                  ("candidate_ids", "INT32", [-1, -1, -1], True), ("prompt_lengths", "INT32", [-1], True)]
         if self._loaded.kind is ModelKind.REWARD:
             return inputs, [("scores", "FP32", [-1, self._loaded.num_labels], True)]
         return inputs, [("token_logprobs", "FP32", [-1, -1], True), ("topk_values", "FP32", [-1, -1, -1], True),

@@ -25,7 +25,7 @@ from .collectives import CollectiveFailed
 from .context_parallel import cp_forward, head_tail
 from .loading import LoadedModel
 from .memory import ModelDims
-from .outputs import HeadShard, Piece, Segment, block_pieces
+from .outputs import HeadShard, Piece, Segment, block_pieces, empty_token_pieces
 from .packing import (VARLEN_ATTENTION, Pack, cpu_pack_tokens, packed_forward, packed_positions, plan_packs,
                       register_varlen_attention)
 from .parallel import ParallelContext, single_rank
@@ -189,17 +189,29 @@ class Engine:
             return
         cands = self._cands(job, [i])
         chunk = self.config.chunk_size
+        lo, hi = job.head_rows(i, self.shard.vocab_size)          # only rows someone reads go through the head
+        span = job.token_rows(i) if job.prompt_lengths is not None else None
+        empty = self._empty_span_pieces(job, i, cands) if p.cp_rank == 0 else []
+        if empty:
+            yield Step((j,), tuple((j, piece) for piece in empty))
         for run in runs:
             for c0 in range(0, run.length, chunk):
                 s0 = run.start + c0                               # global rows [s0, s1) of this step
                 s1 = min(run.start + min(c0 + chunk, run.length), L)
-                if s0 >= s1:                                      # all padding: an empty step
+                a, b = max(s0, lo), min(s1, hi)
+                if a >= b:                  # padding, or rows nobody reads: an empty step (ranks stay in step)
                     yield Step((j,))
                     continue
-                rows = h[run.local + c0 : run.local + c0 + (s1 - s0)]
+                rows = h[run.local + c0 + (a - s0) : run.local + c0 + (b - s0)]
                 z = self.logits(rows, job.temperature)                                          # [c, V/tp]
-                pieces = block_pieces(job, z, [Segment(i, ids, s0, s1, 0)], self.head_shard, cands)
+                pieces = block_pieces(job, z, [Segment(i, ids, a, b, 0, span)], self.head_shard, cands)
                 yield Step((j,), tuple((j, piece) for piece in pieces))
+
+    def _empty_span_pieces(self, job: Job, i: int, cands: dict) -> list[Piece]:
+        """Zero-row token outputs for a sequence whose prompt is all of it (P = L)."""
+        if job.prompt_lengths is None or job.prompt_lengths[i] < len(job.sequences[i]):
+            return []
+        return empty_token_pieces(job, i, self.head_shard, cands)
 
     @torch.inference_mode()
     def _scores(self, last: torch.Tensor, sequences: list[int]) -> list[Piece]:
@@ -238,15 +250,32 @@ class Engine:
             return
         cands = {j: self._cands(jobs[j], [m.sequence for m in members if m.job == j])
                  for j in dict.fromkeys(m.job for m in members)}
+        empty = [(m.job, piece) for m in members
+                 for piece in self._empty_span_pieces(jobs[m.job], m.sequence, cands[m.job])]
+        if empty:
+            yield Step(tuple(dict.fromkeys(j for j, _ in empty)), tuple(empty))
+        # The head runs only on the rows someone reads (all of them unless prompt_lengths or a slice say less):
+        # each member's rows [lo, hi), gathered into one [M, H] block when that is not all of h.
+        V = self.shard.vocab_size
+        spans = [jobs[m.job].head_rows(m.sequence, V) for m in members]
+        picked, at_sel = [], 0                            # (member offset in h, lo, hi, offset in the selection)
+        for o, (lo, hi) in zip(offsets, spans):
+            picked.append((o, lo, hi, at_sel))
+            at_sel += hi - lo
+        if at_sel != at:
+            index = torch.cat([torch.arange(o + lo, o + hi) for o, lo, hi, _ in picked]).to(h.device)   # [M]
+            h = h.index_select(0, index)                                                   # [M, H]
         chunk = self.config.chunk_size
-        for c0 in range(0, at, chunk):
-            c1 = min(c0 + chunk, at)
+        for c0 in range(0, at_sel, chunk):
+            c1 = min(c0 + chunk, at_sel)
             segs: dict[int, list[Segment]] = {}           # job -> its segments in this chunk, rows relative to c0
-            for o, m in zip(offsets, members):
-                a, b = max(o, c0), min(o + m.length, c1)
+            for m, (o, lo, hi, q) in zip(members, picked):
+                a, b = max(q, c0), min(q + hi - lo, c1)
                 if a < b and run.live(m.job):
-                    segs.setdefault(m.job, []).append(
-                        Segment(m.sequence, ids[(m.job, m.sequence)], a - o, b - o, a - c0))
+                    job = jobs[m.job]
+                    span = job.token_rows(m.sequence) if job.prompt_lengths is not None else None
+                    segs.setdefault(m.job, []).append(Segment(m.sequence, ids[(m.job, m.sequence)], lo + a - q,
+                                                              lo + b - q, a - c0, span))
             yield self._chunk_step(run, h[c0:c1], segs, cands)
 
     @torch.inference_mode()
@@ -268,7 +297,7 @@ class Engine:
                     zj = z[first:last]
                     if job.temperature != 1.0:
                         zj.div_(job.temperature)
-                rebased = [Segment(g.sequence, g.ids, g.s0, g.s1, g.row - first) for g in job_segs]
+                rebased = [Segment(g.sequence, g.ids, g.s0, g.s1, g.row - first, g.span) for g in job_segs]
                 pieces += [(j, p) for p in block_pieces(job, zj, rebased, self.head_shard, cands[j])]
             except Exception as e:
                 run.reraise_unless_isolated(e)

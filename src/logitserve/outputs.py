@@ -41,10 +41,20 @@ class Segment:
     s0: int
     s1: int
     row: int
+    span: Optional[tuple[int, int]] = None   # with prompt_lengths: the rows [P-1, L-1) token outputs cover
 
     @property
     def rows(self) -> slice:
         return slice(self.row, self.row + self.s1 - self.s0)
+
+    def token_cut(self) -> tuple[slice, int, int]:
+        """(block rows, output offset, output length) of this segment's token outputs. Without a span row t is
+        output row t (of L); with one, logits row P-1+j is output row j (of L-P). The block rows may be empty."""
+        if self.span is None:
+            return self.rows, self.s0, len(self.ids)
+        a, b = max(self.s0, self.span[0]), min(self.s1, self.span[1])
+        b = max(a, b)
+        return slice(self.row + a - self.s0, self.row + b - self.s0), a - self.span[0], self.span[1] - self.span[0]
 
     def targets(self) -> torch.Tensor:
         """Row t's target ids[t + 1]; a sequence's last row has none and takes 0 (its value is never sent). [s1-s0]"""
@@ -86,7 +96,11 @@ def block_pieces(job: Job, z: torch.Tensor, segs: list[Segment], hs: HeadShard,
     top = vp_topk(z, job.topk.k, shard) if job.topk is not None else None           # [n, k] x2
     cand_z = None
     if job.candidates is not None:                                                  # per segment: c differs
-        cand_z = [vp_gather(z[g.rows], cands[g.sequence][g.s0 : g.s1], shard) for g in segs]
+        cand_z = []
+        for g in segs:
+            rows, o, _ = g.token_cut()
+            n = rows.stop - rows.start
+            cand_z.append(vp_gather(z[rows], cands[g.sequence][o : o + n], shard))   # [n, c]
     needs_lse = (opts is not None and not filtered) or (top is not None and job.topk.as_logprobs) or cand_z is not None
     tail = None
     if top is not None and job.topk.tail_mass:
@@ -104,7 +118,12 @@ def block_pieces(job: Job, z: torch.Tensor, segs: list[Segment], hs: HeadShard,
             lp = target_z - lse
         for g in segs:
             L = len(g.ids)
-            if g.s0 == 0 or g.s0 + 1 < L:                                           # rows with a target, or lp[0]
+            if g.span is not None:                 # every span row has a target; no lp[0]
+                rows, o, n_out = g.token_cut()
+                if rows.stop > rows.start:
+                    pieces.append(Piece(OutputKind.TOKEN_LOGPROBS, g.sequence, (n_out,), (o,),
+                                        lp[rows].cpu().contiguous()))
+            elif g.s0 == 0 or g.s0 + 1 < L:                                         # rows with a target, or lp[0]
                 n = min(g.s1, L - 1) - g.s0
                 pieces.append(_token_logprobs_piece(g.sequence, lp[g.row : g.row + n], g.s0, L))
     if top is not None:
@@ -113,19 +132,44 @@ def block_pieces(job: Job, z: torch.Tensor, segs: list[Segment], hs: HeadShard,
             vals = vals - lse[:, None]
         k = job.topk.k
         for g in segs:
-            L = len(g.ids)
-            pieces.append(Piece(OutputKind.TOPK_VALUES, g.sequence, (L, k), (g.s0, 0), _wire(vals[g.rows], job.topk.dtype)))
-            pieces.append(Piece(OutputKind.TOPK_IDS, g.sequence, (L, k), (g.s0, 0),
-                                top_ids[g.rows].to(torch.int32).cpu().contiguous()))
+            rows, o, n_out = g.token_cut()
+            if rows.stop == rows.start:
+                continue
+            pieces.append(Piece(OutputKind.TOPK_VALUES, g.sequence, (n_out, k), (o, 0), _wire(vals[rows], job.topk.dtype)))
+            pieces.append(Piece(OutputKind.TOPK_IDS, g.sequence, (n_out, k), (o, 0),
+                                top_ids[rows].to(torch.int32).cpu().contiguous()))
             if tail is not None:
-                pieces.append(Piece(OutputKind.TOPK_TAIL, g.sequence, (L,), (g.s0,), tail[g.rows].cpu().contiguous()))
+                pieces.append(Piece(OutputKind.TOPK_TAIL, g.sequence, (n_out,), (o,), tail[rows].cpu().contiguous()))
     if cand_z is not None:
         for g, cz in zip(segs, cand_z):
-            lp_c = cz - lse[g.rows, None]                                           # [s1-s0, c]
+            rows, o, _ = g.token_cut()
+            if rows.stop == rows.start:
+                continue
+            lp_c = cz - lse[rows, None]                                             # [n, c]
             shape = tuple(cands[g.sequence].shape)
-            pieces.append(Piece(OutputKind.CANDIDATE_LOGPROBS, g.sequence, shape, (g.s0, 0), lp_c.cpu().contiguous()))
+            pieces.append(Piece(OutputKind.CANDIDATE_LOGPROBS, g.sequence, shape, (o, 0), lp_c.cpu().contiguous()))
     # Under TP every rank computed the reductions; only the replicated outputs' owner emits them.
     return [p for p in pieces if hs.emits_replicated or p.output is OutputKind.FULL_LOGITS]
+
+
+def empty_token_pieces(job: Job, i: int, hs: HeadShard, cands: Optional[dict[int, torch.Tensor]] = None) -> list[Piece]:
+    """Zero-row token outputs of sequence i (prompt_lengths P = L: nothing to predict), so every output asked
+    for still arrives."""
+    if not hs.emits_replicated:
+        return []
+    out: list[Piece] = []
+    if job.logprobs is not None:
+        out.append(Piece(OutputKind.TOKEN_LOGPROBS, i, (0,), (0,), torch.zeros(0)))
+    if job.topk is not None:
+        k = job.topk.k
+        out.append(Piece(OutputKind.TOPK_VALUES, i, (0, k), (0, 0), torch.zeros(0, k, dtype=TORCH_WIRE[job.topk.dtype])))
+        out.append(Piece(OutputKind.TOPK_IDS, i, (0, k), (0, 0), torch.zeros(0, k, dtype=torch.int32)))
+        if job.topk.tail_mass:
+            out.append(Piece(OutputKind.TOPK_TAIL, i, (0,), (0,), torch.zeros(0)))
+    if job.candidates is not None:
+        c = job.candidates[i].shape[1]
+        out.append(Piece(OutputKind.CANDIDATE_LOGPROBS, i, (0, c), (0, 0), torch.zeros(0, c)))
+    return out
 
 
 def _mask_ids_(z: torch.Tensor, ids: torch.Tensor, shard: VocabShard) -> None:

@@ -80,6 +80,7 @@ class Job:
     candidates: Optional[tuple[np.ndarray, ...]] = None  # int32 [L_i, c_i] each
     full_logits: Optional[SliceOpts] = None
     scores: bool = False
+    prompt_lengths: Optional[tuple[int, ...]] = None   # P_i: token outputs only for tokens P_i..L_i-1
 
     @property
     def num_tokens(self) -> int:
@@ -88,6 +89,30 @@ class Job:
     @property
     def wants_token_outputs(self) -> bool:
         return any(x is not None for x in (self.logprobs, self.topk, self.candidates, self.full_logits))
+
+    def token_rows(self, i: int) -> tuple[int, int]:
+        """Logits rows [a, b) of sequence i that token outputs (logprobs, top-k, tail, candidates) come from:
+        every position, or with prompt_lengths the L - P rows that predict tokens P..L-1 (row j of the outputs
+        is logits row P - 1 + j)."""
+        L = len(self.sequences[i])
+        if self.prompt_lengths is None:
+            return 0, L
+        return self.prompt_lengths[i] - 1, L - 1
+
+    def head_rows(self, i: int, vocab: int) -> tuple[int, int]:
+        """Logits rows [a, b) the head must run on for sequence i: the token rows, joined with the
+        full-logits slice when one is asked (one contiguous range; empty when nothing needs the head)."""
+        L = len(self.sequences[i])
+        ranges = []
+        if any(x is not None for x in (self.logprobs, self.topk, self.candidates)):
+            ranges.append(self.token_rows(i))
+        if self.full_logits is not None:
+            s0, s1, _, _ = self.full_logits.bounds(L, vocab)
+            ranges.append((s0, s1))
+        ranges = [(a, b) for a, b in ranges if a < b]
+        if not ranges:
+            return 0, 0
+        return min(a for a, _ in ranges), max(b for _, b in ranges)
 
 
 @dataclass(frozen=True)

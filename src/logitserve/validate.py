@@ -60,14 +60,24 @@ def validate_job(job: Job, limits: ModelLimits) -> None:
             raise InvalidRequest("logprobs.top_p", f"{p} is outside (0, 1]")
     if job.topk is not None:
         _check_int_range("topk.k", job.topk.k, 1, V)
+    if job.prompt_lengths is not None:
+        if len(job.prompt_lengths) != len(job.sequences):
+            raise InvalidRequest("prompt_lengths", f"{len(job.prompt_lengths)} given; one per sequence "
+                                                   f"({len(job.sequences)}) needed, or none")
+        for i, (P, seq) in enumerate(zip(job.prompt_lengths, job.sequences)):
+            if not 1 <= P <= len(seq):
+                raise InvalidRequest(f"prompt_lengths[{i}]", f"{P} is outside [1, {len(seq)}] (the length of "
+                                                             f"sequences[{i}])")
     if job.candidates is not None:
         if len(job.candidates) != len(job.sequences):
             raise InvalidRequest("candidates.ids",
                                  f"{len(job.candidates)} tensors given; one per sequence ({len(job.sequences)}) needed")
         for i, (cand, seq) in enumerate(zip(job.candidates, job.sequences)):
-            if cand.ndim != 2 or cand.shape[0] != len(seq) or cand.shape[1] < 1:
+            a, b = job.token_rows(i)
+            rows, what = (len(seq), "L") if job.prompt_lengths is None else (b - a, "L - P")
+            if cand.ndim != 2 or cand.shape[0] != rows or cand.shape[1] < 1:
                 raise InvalidRequest(f"candidates.ids[{i}]",
-                                     f"shape {list(cand.shape)} must be [L={len(seq)}, c] with c >= 1")
+                                     f"shape {list(cand.shape)} must be [{what}={rows}, c] with c >= 1")
             _check_ids(f"candidates.ids[{i}]", cand, V)
     if job.full_logits is not None:
         sl = job.full_logits
