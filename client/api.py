@@ -26,6 +26,8 @@ class ModelInfo:
     batching: str = "unknown"  # "exact" | "packed": how the server runs a batch through the body
     tp_plan_source: str = ""   # "transformers" | "logitserve" | "transformers+logitserve"; "" at tp 1
     tokenizer_hash: str = ""   # "" without a tokenizer; compare with logitserve.client.tokenizer_hash(yours)
+    min_shared_prefix: int = 0     # sequences sharing this many leading tokens share their prefix's compute
+    shared_prefix_tokens: int = 0  # prompt tokens the server computed once instead of per sequence, in all
 
 
 class OutputsMixin:
@@ -104,7 +106,7 @@ def model_info_of(msg) -> ModelInfo:
     return ModelInfo(msg.name, msg.content_hash, msg.architecture, kind, msg.vocab_size, msg.max_sequence_length,
                      msg.dtype, msg.tp_size, msg.cp_size, msg.world_size, msg.num_labels, msg.max_message_bytes,
                      msg.server_version, ranks, batching_name(msg.batching), msg.tp_plan_source,
-                     msg.tokenizer_hash)
+                     msg.tokenizer_hash, msg.min_shared_prefix, msg.shared_prefix_tokens)
 
 
 def batching_name(value: int) -> str:

@@ -43,6 +43,7 @@ class ForwardResult:
     applied: Optional[Applied] = None
     model: Optional[ModelIdentity] = None
     batching: Optional[str] = None             # "exact" | "packed": the mode the server's body ran in
+    shared_prefix_tokens: int = 0              # tokens not computed for these sequences: a prefix shared in a batch
 
 
 _FIELD = {pb.TOKEN_LOGPROBS: "logprobs", pb.TOPK_VALUES: "topk_values", pb.TOPK_IDS: "topk_ids",
@@ -138,7 +139,7 @@ class Assembly:
                             done.applied.top_k if done.applied.HasField("top_k") else None,
                             done.applied.top_p if done.applied.HasField("top_p") else None),
             model=ModelIdentity(done.model.name, done.model.content_hash, done.model.vocab_size),
-            batching=batching_name(done.batching))
+            batching=batching_name(done.batching), shared_prefix_tokens=done.shared_prefix_tokens)
         outputs = {name: [None] * self._n for name in self._wanted}
         for (output, seq), target in self._targets.items():
             name = _FIELD[output]

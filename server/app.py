@@ -201,7 +201,8 @@ async def create_server(loaded: LoadedModel, config: ServerConfig, layout: Optio
     metrics = Metrics()
     scheduler = Scheduler(run_batch, config.scheduler, estimate=estimate, idle=idle, metrics=metrics)
     metrics.bind_scheduler(scheduler)
-    info = codec.encode_model_info(loaded, layout, config.max_message_bytes, logitserve.__version__, batching)
+    info = codec.encode_model_info(loaded, layout, config.max_message_bytes, logitserve.__version__, batching,
+                                   config.engine.min_shared_prefix)
     gate = listening.gate
     servicer = LogitServeServicer(scheduler, info, loaded.limits, config.max_message_bytes, loaded.text, metrics,
                                   config.limits)

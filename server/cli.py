@@ -31,6 +31,9 @@ def _serve_parser(sub) -> None:
     p.add_argument("--batching", choices=["packed", "exact"], default="packed",
                    help="packed: a batch's sequences share one packed body (faster; fp32 within 1e-5 of exact); "
                         "exact: each sequence alone (bitwise batch invariant). CP always runs exact")
+    p.add_argument("--min-shared-prefix", type=int, default=64, metavar="N",
+                   help="packed: sequences of a batch sharing >= N leading tokens (before any row asked for) "
+                        "compute that prefix once; 0 = off")
     p.add_argument("--batch-delay-ms", type=float, default=2.0, help="wait after the first request for others")
     p.add_argument("--max-queued-tokens", type=int, default=1 << 20,
                    help="tokens waiting or running; past it RESOURCE_EXHAUSTED")
@@ -184,7 +187,8 @@ def _cmd_serve(args, argv: list[str]) -> int:
                                 stall_timeout_s=args.stall_timeout, overlap=not args.no_overlap)
     config = ServerConfig(host=args.host, port=args.port, max_message_bytes=args.max_message_bytes,
                           engine=EngineConfig(chunk_size=args.logprob_chunk_size, batching=Batching(args.batching),
-                                              max_pack_tokens=args.max_batch_tokens), scheduler=scheduler,
+                                              max_pack_tokens=args.max_batch_tokens,
+                                              min_shared_prefix=args.min_shared_prefix), scheduler=scheduler,
                           security=SecurityConfig(args.tls_cert, args.tls_key, args.tls_client_ca,
                                                   args.auth_token_file), metrics_port=args.metrics_port,
                           metrics_host=args.metrics_host,

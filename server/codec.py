@@ -165,7 +165,7 @@ def encode_piece(request_id: str, piece: Piece, max_message_bytes: int) -> Itera
 
 
 def encode_done(request_id: str, job: Job, identity: pb.ModelIdentity, num_chunks: int,
-                batching: int = pb.BATCHING_UNSPECIFIED) -> pb.ForwardResponse:
+                batching: int = pb.BATCHING_UNSPECIFIED, shared: int = 0) -> pb.ForwardResponse:
     applied = pb.Applied(temperature=job.temperature)
     if job.logprobs is not None:
         if job.logprobs.top_k is not None:
@@ -173,7 +173,8 @@ def encode_done(request_id: str, job: Job, identity: pb.ModelIdentity, num_chunk
         if job.logprobs.top_p is not None:
             applied.top_p = job.logprobs.top_p
     return pb.ForwardResponse(request_id=request_id, done=pb.RequestDone(
-        applied=applied, model=identity, num_chunks=num_chunks, num_tokens=job.num_tokens, batching=batching))
+        applied=applied, model=identity, num_chunks=num_chunks, num_tokens=job.num_tokens, batching=batching,
+        shared_prefix_tokens=shared))
 
 
 def encode_error(request_id: str, code: grpc.StatusCode, message: str) -> pb.ForwardResponse:
@@ -189,7 +190,8 @@ def encode_batching(mode) -> int:
     return pb.Batching.Value(mode.name)
 
 
-def encode_model_info(loaded, layout, max_message_bytes: int, version: str, batching) -> pb.ModelInfoResponse:
+def encode_model_info(loaded, layout, max_message_bytes: int, version: str, batching,
+                      min_shared_prefix: int = 0) -> pb.ModelInfoResponse:
     """ModelInfoResponse for a LoadedModel served under a Layout (see logitserve.layout)."""
     from logitserve.loading import DTYPE_NAMES
     from logitserve.spec import ModelKind
@@ -203,4 +205,5 @@ def encode_model_info(loaded, layout, max_message_bytes: int, version: str, batc
                for r in layout.ranks],
         num_labels=loaded.num_labels, max_message_bytes=max_message_bytes, server_version=version,
         batching=encode_batching(batching), tp_plan_source=loaded.plan_source,
-        tokenizer_hash=loaded.text.hash if loaded.text is not None else "")
+        tokenizer_hash=loaded.text.hash if loaded.text is not None else "",
+        min_shared_prefix=min_shared_prefix if encode_batching(batching) == pb.PACKED else 0)

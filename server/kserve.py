@@ -24,6 +24,7 @@ import grpc
 import numpy as np
 import torch
 
+from logitserve.engine import SharedTokens
 from logitserve.errors import InvalidRequest, Unavailable
 from logitserve.kserve import grpc_predict_v2_pb2 as kpb
 from logitserve.kserve import grpc_predict_v2_pb2_grpc as kpb_grpc
@@ -332,6 +333,9 @@ class KServeServicer(kpb_grpc.GRPCInferenceServiceServicer):
         dense = _Dense(len(job.sequences))
         async with asyncio.timeout(timeout):
             async for piece in self._scheduler.stream(job):
+                if isinstance(piece, SharedTokens):
+                    self._native.count_shared(piece.tokens)
+                    continue
                 dense.add(piece)
         resp = kpb.ModelInferResponse(model_name=self._loaded.name, model_version="1", id=request.id)
         for name in names:

@@ -72,6 +72,9 @@ class Metrics:
                                 ["output", "status"], registry=r)
         self.tokens = Counter("logitserve_tokens", "Tokens of the requests that finished OK", registry=r)
         self.bytes_sent = Counter("logitserve_response_bytes", "Bytes of the response messages sent", registry=r)
+        self.shared_prefix_tokens = Counter("logitserve_shared_prefix_tokens",
+                                            "Prompt tokens computed once for a group instead of once per sequence",
+                                            registry=r)
         self.queue_requests = Gauge("logitserve_queue_requests", "Requests waiting for a batch", registry=r)
         self.queued_tokens = Gauge("logitserve_queued_tokens", "Tokens waiting or running", registry=r)
         self.batch_requests = Histogram("logitserve_batch_requests", "Requests per batch", registry=r,

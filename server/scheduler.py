@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass
 from typing import AsyncIterator, Callable, Iterator, Optional
 
-from logitserve.engine import Piece
+from logitserve.engine import Piece, SharedTokens
 from logitserve.errors import OverLimit
 from logitserve.spec import Job
 
@@ -264,6 +264,7 @@ def engine_batch_runner(batch_steps) -> BatchRun:
         try:
             for step in steps:
                 yield from step.errors
+                yield from ((j, SharedTokens(n)) for j, n in step.shared)
                 yield from step.pieces
         finally:
             steps.close()

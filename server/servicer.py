@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from logitserve.engine import SharedTokens
 from logitserve.errors import InvalidRequest, NotSupported, OverLimit
 from logitserve.validate import validate_job
 from logitserve.v1 import logitserve_pb2 as pb
@@ -52,6 +53,7 @@ class LogitServeServicer(pb_grpc.LogitServeServicer):
         self._requests: set[asyncio.Task] = set()     # every stream's requests in flight
         self._draining = False
         self._ending = False                          # past the grace period: in-flight requests get UNAVAILABLE
+        self._shared_total = 0                        # prompt tokens computed once instead of per sequence
         self._scheduler = scheduler
         self._metrics = metrics    # metrics.Metrics, or None
         self._text = text          # tokenizing.TextEncoder, or None: texts are refused
@@ -61,7 +63,16 @@ class LogitServeServicer(pb_grpc.LogitServeServicer):
         self._max_message_bytes = max_message_bytes
 
     async def ModelInfo(self, request, context):
-        return self._info
+        info = pb.ModelInfoResponse()
+        info.CopyFrom(self._info)
+        info.shared_prefix_tokens = self._shared_total
+        return info
+
+    def count_shared(self, tokens: int) -> None:
+        """Prompt tokens a request did not compute thanks to a shared prefix (ModelInfo's total, a counter)."""
+        self._shared_total += tokens
+        if self._metrics is not None:
+            self._metrics.shared_prefix_tokens.inc(tokens)
 
     @property
     def draining(self) -> bool:
@@ -209,6 +220,7 @@ class LogitServeServicer(pb_grpc.LogitServeServicer):
             timeout = req.timeout_s if req.HasField("timeout_s") else None
             if timeout is not None and not timeout > 0:
                 raise InvalidRequest("timeout_s", f"{timeout} must be > 0")
+            shared = 0
             async with asyncio.timeout(timeout):
                 n = 0
                 for piece in codec.input_id_pieces(ids) if ids is not None else ():
@@ -216,10 +228,14 @@ class LogitServeServicer(pb_grpc.LogitServeServicer):
                         await emit(msg)
                         n += 1
                 async for piece in self._scheduler.stream(job):
+                    if isinstance(piece, SharedTokens):
+                        shared += piece.tokens
+                        self.count_shared(piece.tokens)
+                        continue
                     for msg in codec.encode_piece(rid, piece, self._max_message_bytes):
                         await emit(msg)
                         n += 1
-            await emit(codec.encode_done(rid, job, self._identity, n, self._info.batching))
+            await emit(codec.encode_done(rid, job, self._identity, n, self._info.batching, shared))
         except asyncio.CancelledError:
             status = grpc.StatusCode.CANCELLED
             if self._ending:    # the server's grace period is over: say so, then end quietly

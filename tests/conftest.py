@@ -39,13 +39,14 @@ def reward_dirs(tmp_path_factory):
             for arch in ("llama", "qwen2")}
 
 
-def _serve(directory, chunk_size=16, batching="packed", max_pack_tokens=16384, **server_kw):
+def _serve(directory, chunk_size=16, batching="packed", max_pack_tokens=16384, min_shared_prefix=64, **server_kw):
     from logitserve.engine import Batching, EngineConfig
     from logitserve.loading import load_model
     from logitserve.server.app import ServerConfig
 
     loaded = load_model(directory)
-    engine = EngineConfig(chunk_size=chunk_size, batching=Batching(batching), max_pack_tokens=max_pack_tokens)
+    engine = EngineConfig(chunk_size=chunk_size, batching=Batching(batching), max_pack_tokens=max_pack_tokens,
+                          min_shared_prefix=min_shared_prefix)
     return ServerThread(loaded, ServerConfig(port=0, engine=engine, **server_kw))
 
 

@@ -13,7 +13,7 @@ from typing import Callable, Iterator, Optional
 
 import torch.distributed as dist
 
-from .engine import Engine, Piece, Step
+from .engine import Engine, Piece, SharedTokens, Step
 from .errors import Unavailable
 from .parallel import ParallelContext
 from .spec import Job
@@ -85,6 +85,7 @@ class DistributedRunner:
             try:
                 while (step := self._collective(next, steps, _END)) is not _END:
                     yield from step.errors      # (job, exception): that job alone fails, with its status
+                    yield from ((j, SharedTokens(n)) for j, n in step.shared)
                     others = _others_emit(jobs, step, self._ctx)
                     yield from self._gather(list(step.pieces)) if others else step.pieces
             except GeneratorExit:

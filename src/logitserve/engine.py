@@ -14,6 +14,7 @@ Results leave step by step as `Piece`s, rectangles of an output with their offse
 """
 from __future__ import annotations
 
+import dataclasses
 import enum
 from dataclasses import dataclass
 from typing import Callable, Iterator, Optional
@@ -29,6 +30,7 @@ from .outputs import HeadShard, Piece, Segment, block_pieces, empty_token_pieces
 from .packing import (VARLEN_ATTENTION, Pack, cpu_pack_tokens, packed_forward, packed_positions, plan_packs,
                       register_varlen_attention)
 from .parallel import ParallelContext, single_rank
+from .prefix import Wanted, find_groups, plan_shared_packs
 from .spec import Job, OutputKind
 from .vocab_parallel import VocabShard, full_vocab
 
@@ -48,10 +50,13 @@ class EngineConfig:
     batching: Batching = Batching.PACKED    # --batching
     max_pack_tokens: int = 16384            # tokens per packed body at most (a longer sequence packs alone);
                                             # on CPU also at most packing.cpu_pack_tokens (allocator-friendly)
+    min_shared_prefix: int = 64             # packed: sequences sharing this many leading tokens share their
+                                            # prefix's body (logitserve.prefix); 0 = off (--min-shared-prefix)
 
     def __post_init__(self):
-        if self.chunk_size < 1 or self.max_pack_tokens < 1:
-            raise ValueError(f"chunk_size={self.chunk_size} and max_pack_tokens={self.max_pack_tokens} must be >= 1")
+        if self.chunk_size < 1 or self.max_pack_tokens < 1 or self.min_shared_prefix < 0:
+            raise ValueError(f"chunk_size={self.chunk_size} and max_pack_tokens={self.max_pack_tokens} must be >= 1, "
+                             f"min_shared_prefix={self.min_shared_prefix} >= 0")
 
 
 @dataclass(frozen=True)
@@ -61,6 +66,15 @@ class Step:
     jobs: tuple[int, ...]                                  # the jobs this step computed for
     pieces: tuple[tuple[int, Piece], ...] = ()             # (job, piece) this rank emits
     errors: tuple[tuple[int, Exception], ...] = ()         # jobs that failed here (alike on every rank)
+    shared: tuple[tuple[int, int], ...] = ()               # (job, tokens its sequences did not compute: a
+                                                           # shared prefix, counted once per group), rank 0's
+
+
+@dataclass(frozen=True)
+class SharedTokens:
+    """Goes down a job's stream beside its pieces: tokens of its sequences computed once for a group."""
+
+    tokens: int
 
 
 class Engine:
@@ -107,10 +121,12 @@ class Engine:
         return out.last_hidden_state[0]
 
     @torch.inference_mode()
-    def packed_hidden(self, ids: torch.Tensor, lengths: list[int]) -> torch.Tensor:
-        """Last hidden state of several sequences packed in one row. ids: [N] -> [N, H]."""
-        positions = packed_positions(lengths).to(self.device)                                   # [N]
-        with packed_forward(lengths, self.device):
+    def packed_hidden(self, ids: torch.Tensor, lengths: list[int], starts: Optional[list[int]] = None,
+                      parents: Optional[list[int]] = None) -> torch.Tensor:
+        """Last hidden state of several segments packed in one row; a segment with a parent continues that
+        shared prefix from position starts[i]. ids: [N] -> [N, H]."""
+        positions = packed_positions(lengths, starts).to(self.device)                           # [N]
+        with packed_forward(lengths, self.device, parents):
             out = self.loaded.body(input_ids=ids[None], position_ids=positions[None], use_cache=False)
         return out.last_hidden_state[0]
 
@@ -160,9 +176,22 @@ class Engine:
                     if run.live(j):
                         yield from run.guard(j, self._sequence_steps(j, job, i, self._ids(seq)))
             return
-        wanted = [(j, i, len(s)) for j, job in enumerate(jobs) if run.live(j) for i, s in enumerate(job.sequences)]
-        for pack in plan_packs(wanted, self.pack_tokens):
+        for pack in self._plan(run):
             yield from self._pack_steps(run, pack)
+
+    def _plan(self, run: "_Run") -> list[Pack]:
+        """Packs of the batch's live sequences; with min_shared_prefix, groups sharing a prefix (logitserve.prefix)."""
+        jobs = run.jobs
+        live = [(j, i, s) for j, job in enumerate(jobs) if run.live(j) for i, s in enumerate(job.sequences)]
+        if self.config.min_shared_prefix:
+            V = self.shard.vocab_size
+            wanted = [Wanted(j, i, s, len(s) - 1 if jobs[j].scores else
+                             (jobs[j].head_rows(i, V)[0] if jobs[j].head_rows(i, V)[1] > 0 else len(s)))
+                      for j, i, s in live]
+            groups, alone = find_groups(wanted, self.config.min_shared_prefix)
+            if groups:
+                return plan_shared_packs(groups, alone, self.pack_tokens)
+        return plan_packs([(j, i, len(s)) for j, i, s in live], self.pack_tokens)
 
     def _ids(self, seq) -> torch.Tensor:
         return torch.from_numpy(seq.astype("int64", copy=False)).to(self.device)                 # [L]
@@ -222,23 +251,33 @@ class Engine:
 
     # -- packed: one body for many sequences --------------------------------------------
     def _pack_steps(self, run: "_Run", pack: Pack) -> Iterator[Step]:
-        members = [m for m in pack.members if run.live(m.job)]
+        jobs = run.jobs
+        body = _live_members(pack, run)      # with shared prefixes (job -1) that some live member continues
+        members = [m for m in body if m.job >= 0]
         if not members:
             return
-        jobs = run.jobs
         ids = {(m.job, m.sequence): self._ids(jobs[m.job].sequences[m.sequence]) for m in members}
+        tokens = []
+        for k, m in enumerate(body):          # a prefix's tokens: the start of the sequence that follows it
+            src = m if m.job >= 0 else next(x for x in body[k + 1:] if x.parent == k)
+            tokens.append(ids[(src.job, src.sequence)][m.start : m.start + m.length])
         try:
-            h = self.packed_hidden(torch.cat(list(ids.values())), [m.length for m in members])  # [N, H]
+            h = self.packed_hidden(torch.cat(tokens), [m.length for m in body], [m.start for m in body],
+                                   [m.parent for m in body])                                     # [N, H]
         except Exception as e:
             run.reraise_unless_isolated(e)
             for m in members:   # redo per sequence: whoever fails, fails alone
                 if run.live(m.job):
                     yield from run.guard(m.job, self._sequence_steps(m.job, jobs[m.job], m.sequence, ids[(m.job, m.sequence)]))
             return
-        offsets, at = [], 0
-        for m in members:       # row offsets inside h (the pack's own offsets count dropped members)
-            offsets.append(at)
+        offsets, at, places = [], 0, {}
+        for m in body:          # row offsets inside h (the pack's own offsets count dropped members)
+            places[id(m)] = at
             at += m.length
+        offsets = [places[id(m)] for m in members]
+        shared = _shared_by_job(body)
+        if shared:
+            yield Step(tuple(j for j, _ in shared), shared=shared if self.head_shard.emits_replicated else ())
         if jobs[members[0].job].scores:   # reward models: every job of the batch wants scores
             last = h[torch.tensor([o + m.length - 1 for o, m in zip(offsets, members)], device=h.device)]   # [n, H]
             by_job: dict[int, list[int]] = {}
@@ -257,10 +296,10 @@ class Engine:
         # The head runs only on the rows someone reads (all of them unless prompt_lengths or a slice say less):
         # each member's rows [lo, hi), gathered into one [M, H] block when that is not all of h.
         V = self.shard.vocab_size
-        spans = [jobs[m.job].head_rows(m.sequence, V) for m in members]
-        picked, at_sel = [], 0                            # (member offset in h, lo, hi, offset in the selection)
-        for o, (lo, hi) in zip(offsets, spans):
-            picked.append((o, lo, hi, at_sel))
+        spans = [jobs[m.job].head_rows(m.sequence, V) for m in members]   # global rows; a continuation's start
+        picked, at_sel = [], 0                            # (row of global position 0, lo, hi, offset in the selection)
+        for o, m, (lo, hi) in zip(offsets, members, spans):
+            picked.append((o - m.start, lo, hi, at_sel))  # (lo >= start: no read row lies inside a shared prefix)
             at_sel += hi - lo
         if at_sel != at:
             index = torch.cat([torch.arange(o + lo, o + hi) for o, lo, hi, _ in picked]).to(h.device)   # [M]
@@ -289,15 +328,25 @@ class Engine:
         pieces, errors = [], []
         for j, job_segs in segs.items():
             job = run.jobs[j]
-            first, last = job_segs[0].row, job_segs[-1].rows.stop      # a job's members are consecutive
+            first, last = job_segs[0].row, job_segs[-1].rows.stop
+            consecutive = all(a.rows.stop == b.row for a, b in zip(job_segs, job_segs[1:]))
             try:
-                if z is None:
+                if not consecutive:        # shared prefixes can interleave jobs: this job's rows, gathered
+                    index = torch.cat([torch.arange(g.rows.start, g.rows.stop) for g in job_segs]).to(h.device)
+                    zj = self.logits(h.index_select(0, index), job.temperature) if z is None else \
+                        z.index_select(0, index).div_(job.temperature)
+                    rebased, at = [], 0
+                    for g in job_segs:
+                        rebased.append(Segment(g.sequence, g.ids, g.s0, g.s1, at, g.span))
+                        at += g.s1 - g.s0
+                elif z is None:
                     zj = self.logits(h[first:last], job.temperature)
                 else:
                     zj = z[first:last]
                     if job.temperature != 1.0:
                         zj.div_(job.temperature)
-                rebased = [Segment(g.sequence, g.ids, g.s0, g.s1, g.row - first, g.span) for g in job_segs]
+                if consecutive:
+                    rebased = [Segment(g.sequence, g.ids, g.s0, g.s1, g.row - first, g.span) for g in job_segs]
                 pieces += [(j, p) for p in block_pieces(job, zj, rebased, self.head_shard, cands[j])]
             except Exception as e:
                 run.reraise_unless_isolated(e)
@@ -334,3 +383,31 @@ class _Run:
         """A job's own error stays with the job (when isolating); a failed collective never does."""
         if not self.isolate or isinstance(e, CollectiveFailed):
             raise e
+
+
+def _live_members(pack: Pack, run: _Run) -> list:
+    """The pack's members still wanted, parents renumbered; a shared prefix stays while a live member continues it."""
+    keep = [m.job < 0 or run.live(m.job) for m in pack.members]
+    for k, m in enumerate(pack.members):
+        if m.job < 0:
+            keep[k] = any(keep[x] and c.parent == k for x, c in enumerate(pack.members))
+    new_index, out = {}, []
+    for k, m in enumerate(pack.members):
+        if keep[k]:
+            new_index[k] = len(out)
+            out.append(dataclasses.replace(m, parent=new_index[m.parent]) if m.parent >= 0 else m)
+    return out
+
+
+def _shared_by_job(body: list) -> tuple[tuple[int, int], ...]:
+    """(job, tokens) its sequences skipped thanks to a shared prefix; each prefix's one computation is charged
+    to its first continuation, so the counts add up to what the batch saved."""
+    by_job: dict[int, int] = {}
+    charged: set[int] = set()
+    for m in body:
+        if m.parent >= 0:
+            saved = m.start if m.parent in charged else 0
+            charged.add(m.parent)
+            if saved:
+                by_job[m.job] = by_job.get(m.job, 0) + saved
+    return tuple(by_job.items())

@@ -31,10 +31,12 @@ log = logging.getLogger("logitserve.packing")
 class Member:
     """One sequence inside a pack: rows [offset, offset + length) of the packed row."""
 
-    job: int
+    job: int            # -1: a shared prefix (its tokens: the first `length` of the next member's sequence)
     sequence: int
     offset: int
     length: int
+    start: int = 0      # global position of the first row (a continuation starts after its prefix)
+    parent: int = -1    # a continuation: index in the pack of the prefix it attends to
 
 
 @dataclass(frozen=True)
@@ -73,32 +75,39 @@ def cpu_pack_tokens(hidden: int, intermediate: int, upper: int) -> int:
     return max(1, min(upper, max(256, 1 << (n.bit_length() - 1))))
 
 
-def packed_positions(lengths: Sequence[int]) -> torch.Tensor:
-    """Positions restarting at 0 per sequence: [sum(lengths)] int64."""
-    return torch.cat([torch.arange(n) for n in lengths])
+def packed_positions(lengths: Sequence[int], starts: Optional[Sequence[int]] = None) -> torch.Tensor:
+    """Positions from each segment's start (0, or a continuation's prefix length): [sum(lengths)] int64."""
+    starts = starts or [0] * len(lengths)
+    return torch.cat([torch.arange(a, a + n) for a, n in zip(starts, lengths)])
 
 
 @contextlib.contextmanager
-def packed_forward(lengths: Sequence[int], device: torch.device) -> Iterator[None]:
-    """Within this block, varlen attention knows where each packed sequence starts and ends."""
+def packed_forward(lengths: Sequence[int], device: torch.device,
+                   parents: Optional[Sequence[int]] = None) -> Iterator[None]:
+    """Within this block, varlen attention knows where each packed segment starts and ends, and which
+    segments continue a shared prefix (parents[i]: the prefix segment's index, -1 for none)."""
     lens = torch.tensor(list(lengths), dtype=torch.int32)
     _state.lengths = tuple(int(n) for n in lengths)
     _state.cu = F.pad(lens.cumsum(0, dtype=torch.int32), (1, 0)).to(device)      # [n_seq + 1]
+    _state.parents = tuple(parents) if parents is not None and any(p >= 0 for p in parents) else None
     try:
         yield
     finally:
-        _state.lengths = _state.cu = None
+        _state.lengths = _state.cu = _state.parents = None
 
 
-def _runs(lengths: tuple[int, ...]) -> list[tuple[int, int, int]]:
-    """(first row, length, count) of each run of consecutive sequences of equal length."""
+def _runs(lengths: tuple[int, ...], plain: Optional[Sequence[bool]] = None) -> list[tuple[int, int, int]]:
+    """(first row, length, count) of each run of consecutive plain sequences of equal length."""
     runs: list[tuple[int, int, int]] = []
-    start = 0
-    for n in lengths:
-        if runs and runs[-1][1] == n:
+    start, joinable = 0, False
+    for i, n in enumerate(lengths):
+        if plain is not None and not plain[i]:
+            joinable = False
+        elif joinable and runs[-1][1] == n:
             runs[-1] = (runs[-1][0], n, runs[-1][2] + 1)
         else:
             runs.append((start, n, 1))
+            joinable = True
         start += n
     return runs
 
@@ -125,12 +134,16 @@ def _softcapped(q, k, v, mask, scaling, softcap) -> torch.Tensor:
     return torch.matmul(p.to(q.dtype), v)
 
 
-def _grouped_sdpa(query, key, value, lengths, scaling, window, softcap=None) -> torch.Tensor:
-    """query [1, H, N, D], key/value [1, Hkv, N, D] -> [1, N, H, D]: one sdpa per run of equal lengths, on views."""
+def _grouped_sdpa(query, key, value, lengths, scaling, window, softcap=None, parents=None) -> torch.Tensor:
+    """query [1, H, N, D], key/value [1, Hkv, N, D] -> [1, N, H, D]: one sdpa per run of equal lengths, on views;
+    continuations of a shared prefix attend to it too (_continuations)."""
     out = torch.empty(query.shape[0], query.shape[2], query.shape[1], query.shape[3],
                       dtype=query.dtype, device=query.device)              # [1, N, H, D]
     gqa = query.shape[1] != key.shape[1]
-    for a, n, g in _runs(lengths):
+    plain = None if parents is None else [p < 0 for p in parents]
+    if parents is not None:
+        _continuations(query, key, value, lengths, parents, scaling, window, softcap, out)
+    for a, n, g in _runs(lengths, plain):
         rows = slice(a, a + g * n)
         q = query[0, :, rows].unflatten(1, (g, n)).transpose(0, 1)          # [g, H, n, D]
         k = key[0, :, rows].unflatten(1, (g, n)).transpose(0, 1)            # [g, Hkv, n, D]
@@ -143,6 +156,43 @@ def _grouped_sdpa(query, key, value, lengths, scaling, window, softcap=None) -> 
                                                scale=scaling, enable_gqa=gqa)   # [g, H, n, D]
         out[0, rows] = o.transpose(1, 2).reshape(g * n, o.shape[1], o.shape[3])
     return out
+
+
+def _continuations(query, key, value, lengths, parents, scaling, window, softcap, out) -> None:
+    """Rows of segments that continue a shared prefix, written into out [1, N, H, D]: each attends to all of its
+    prefix's keys/values and causally to its own (a [R, S + R] mask per run of equal-length continuations of one
+    prefix: memory linear in the batch, never [N, N])."""
+    offsets = [0]
+    for n in lengths:
+        offsets.append(offsets[-1] + n)
+    gqa = query.shape[1] != key.shape[1]
+    i = 0
+    while i < len(lengths):
+        p = parents[i]
+        if p < 0:
+            i += 1
+            continue
+        j = i
+        while j + 1 < len(lengths) and parents[j + 1] == p and lengths[j + 1] == lengths[i]:
+            j += 1
+        g, R, S = j - i + 1, lengths[i], lengths[p]
+        rows = slice(offsets[i], offsets[i] + g * R)
+        pre = slice(offsets[p], offsets[p] + S)
+        q = query[0, :, rows].unflatten(1, (g, R)).transpose(0, 1)                      # [g, H, R, D]
+        k_own = key[0, :, rows].unflatten(1, (g, R)).transpose(0, 1)                    # [g, Hkv, R, D]
+        v_own = value[0, :, rows].unflatten(1, (g, R)).transpose(0, 1)
+        k = torch.cat([key[0, :, pre].expand(g, -1, -1, -1), k_own], dim=2)             # [g, Hkv, S + R, D]
+        v = torch.cat([value[0, :, pre].expand(g, -1, -1, -1), v_own], dim=2)
+        qpos = torch.arange(S, S + R, device=query.device)
+        kpos = torch.arange(S + R, device=query.device)
+        d = qpos[:, None] - kpos[None, :]
+        visible = (d >= 0) & (d < window) if window else d >= 0                          # [R, S + R]
+        if softcap:
+            o = _softcapped(q, k, v, visible, scaling, softcap)                          # [g, H, R, D]
+        else:
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=scaling, enable_gqa=gqa)
+        out[0, rows] = o.transpose(1, 2).reshape(g * R, o.shape[1], o.shape[3])
+        i = j + 1
 
 
 def _flash_varlen(query, key, value, cu, max_len, scaling, window) -> torch.Tensor:
@@ -166,8 +216,9 @@ def varlen_attention_forward(module, query, key, value, attention_mask, dropout:
     if kwargs.get("s_aux") is not None:   # attention sinks (gpt-oss): not implemented; never silently dropped
         raise NotImplementedError("packed attention does not support attention sinks (s_aux): use --batching exact")
     lengths = _lengths(query)
+    parents = getattr(_state, "parents", None)
     global _flash_ok   # capped scores (softcap) have no flash kernel here: they always take the sdpa-per-run path
-    if not softcap and _flash_ok and query.is_cuda and query.dtype in (torch.bfloat16, torch.float16):
+    if parents is None and not softcap and _flash_ok and query.is_cuda and query.dtype in (torch.bfloat16, torch.float16):
         cu = getattr(_state, "cu", None)
         if cu is None:
             cu = torch.tensor([0, query.shape[2]], dtype=torch.int32, device=query.device)
@@ -176,7 +227,9 @@ def varlen_attention_forward(module, query, key, value, attention_mask, dropout:
         except (RuntimeError, ImportError, NotImplementedError) as e:   # no flash kernel for this GPU or build
             _flash_ok = False
             log.warning("varlen flash attention unavailable (%s); packed attention uses sdpa per length", e)
-    return _grouped_sdpa(query, key, value, lengths, scaling, sliding_window, softcap), None
+    # Shared prefixes take this path on CUDA too: sdpa with a [R, S + R] mask per continuation run (the
+    # memory-efficient kernel), the plain segments per run of equal lengths.
+    return _grouped_sdpa(query, key, value, lengths, scaling, sliding_window, softcap, parents), None
 
 
 def _lengths(query) -> tuple[int, ...]:

@@ -1,0 +1,115 @@
+"""Shared prefixes: sequences of a batch that begin with the same run of tokens have that run computed once.
+
+RL traffic is grouped: G responses to one prompt. Within a scheduled batch (across requests and
+streams) the sequences whose first `min_shared` tokens agree form a group; its prefix, the longest
+run all members share, capped so that every member keeps at least one token of its own and no row
+that needs the head falls inside it, goes through the body once as a pack member of its own, and
+each member continues from it: its rows attend to the prefix's keys and values and causally to
+themselves, with positions going on from the prefix (packing.varlen_attention_forward). Sharing is
+flat: one prefix per group (members that share a longer run in pairs still compute that part each).
+A group larger than a pack is split, each part with its own copy of the prefix.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from .packing import Member, Pack
+
+
+@dataclass(frozen=True)
+class Wanted:
+    """One sequence of the batch: its place, its tokens, and the first row anything reads (L - 1 for a score)."""
+
+    job: int
+    sequence: int
+    ids: np.ndarray       # int32 [L]
+    first_read: int       # rows before this never reach the head
+
+
+@dataclass(frozen=True)
+class Group:
+    prefix: int                       # S: tokens computed once
+    members: tuple[Wanted, ...]       # each continues from S
+
+
+def _common_prefix(rows: list[np.ndarray], upto: int) -> int:
+    """Length of the leading run all `rows` share, at most `upto`."""
+    first = rows[0][:upto]
+    same = np.ones(len(first), dtype=bool)
+    for r in rows[1:]:
+        same &= r[:upto] == first
+    bad = np.flatnonzero(~same)
+    return int(bad[0]) if bad.size else len(first)
+
+
+def find_groups(wanted: Sequence[Wanted], min_shared: int) -> tuple[list[Group], list[Wanted]]:
+    """(groups of >= 2 sequences sharing >= min_shared tokens, the sequences left alone), in first-seen order."""
+    if min_shared < 1:
+        return [], list(wanted)
+    buckets: dict[bytes, list[Wanted]] = {}
+    alone: list[Wanted] = []
+    for w in wanted:
+        cap = min(len(w.ids) - 1, w.first_read)          # one own token at least; no read row inside the prefix
+        if cap < min_shared:
+            alone.append(w)
+            continue
+        buckets.setdefault(w.ids[:min_shared].tobytes(), []).append(w)
+    groups = []
+    for members in buckets.values():
+        if len(members) < 2:
+            alone += members
+            continue
+        cap = min(min(len(w.ids) - 1, w.first_read) for w in members)
+        groups.append(Group(_common_prefix([w.ids for w in members], cap), tuple(members)))
+    return groups, alone
+
+
+def plan_shared_packs(groups: list[Group], alone: list[Wanted], max_tokens: int) -> list[Pack]:
+    """Packs of at most max_tokens (a longer single item packs alone): each group's prefix (a member with
+    job -1, its tokens those of the next member) precedes its continuations in the same pack; a group too
+    large for one pack is split, the prefix repeated in each part."""
+    items: list[list[Member]] = []     # each item stays whole in one pack; offsets are assigned below
+    for g in groups:
+        parts: list[list[Wanted]] = [[]]
+        used = g.prefix
+        for w in g.members:
+            n = len(w.ids) - g.prefix
+            if parts[-1] and used + n > max_tokens:
+                parts.append([])
+                used = g.prefix
+            parts[-1].append(w)
+            used += n
+        for part in parts:
+            if len(part) == 1:        # a lone continuation gains nothing: computed whole
+                items.append([Member(part[0].job, part[0].sequence, 0, len(part[0].ids))])
+            else:
+                items.append([Member(-1, -1, 0, g.prefix)] +
+                             [Member(w.job, w.sequence, 0, len(w.ids) - g.prefix, start=g.prefix) for w in part])
+    items += [[Member(w.job, w.sequence, 0, len(w.ids))] for w in alone]
+    packs: list[Pack] = []
+    members: list[Member] = []
+    used = 0
+    for item in items:
+        size = sum(m.length for m in item)
+        if members and used + size > max_tokens:
+            packs.append(Pack(tuple(members)))
+            members, used = [], 0
+        parent = -1
+        for m in item:
+            if m.job == -1:
+                parent = len(members)
+            members.append(Member(m.job, m.sequence, used, m.length, start=m.start,
+                                  parent=parent if m.start else -1))
+            used += m.length
+    if members:
+        packs.append(Pack(tuple(members)))
+    return packs
+
+
+def saved_tokens(pack: Pack) -> int:
+    """Tokens this pack did not compute thanks to shared prefixes: (members - 1) x S per prefix."""
+    return sum(m.start for m in pack.members if m.parent >= 0) - sum(
+        m.length for m in pack.members if m.job == -1)
