@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 # CPU torch first: with no torch present an unpinned install would pull a multi-GB CUDA build.
 TORCH ?= torch==2.13.0
 
-.PHONY: install serve test load-test bench bench-batching
+.PHONY: install serve test load-test bench bench-batching bench-groups
 $(STAMP): pyproject.toml setup.py proto/logitserve/v1/logitserve.proto
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
@@ -30,3 +30,6 @@ bench: $(STAMP)  ## the benchmark: writes bench/results/*.json and prints a mark
 
 bench-batching: $(STAMP)  ## throughput by batch shape (demo and body-heavy models; packed vs exact vs the floor)
 	$(BIN)/python bench/batching.py $(ARGS)
+
+bench-groups: $(STAMP)  ## RL-shaped groups: prompt_lengths and shared prompts vs the in-process floor
+	$(BIN)/python bench/groups.py $(ARGS)

@@ -164,7 +164,7 @@ def memory_estimator(loaded: LoadedModel, config: ServerConfig, vocab_local: int
 
     def estimate(job: Job) -> int:   # pack_tokens: a packed body's tokens (Engine.pack_tokens), 0 in exact mode
         return estimate_peak_bytes(job, dims, config.engine.chunk_size, config.scheduler.max_pending, window,
-                                   pack_tokens)
+                                   pack_tokens, config.engine.min_shared_prefix > 0)
 
     budget = config.scheduler.memory_budget_bytes
     smallest = estimate(Job(sequences=(np.zeros(1, np.int32),), scores=True))

@@ -78,6 +78,22 @@ def test_grouped_results_equal_each_sequence_alone(grouped_server):
     _check_against_reference(r, ref, seqs, prompts, cands, 0.8, 0.95)
 
 
+def test_groups_split_over_small_packs_stay_exact(long_model):
+    """Packs of 300 tokens: groups are split, each part with its own copy of the prefix."""
+    directory, ref = long_model
+    server = serve_dir(directory, max_pack_tokens=300, min_shared_prefix=16, chunk_size=64)
+    try:
+        rng = np.random.default_rng(9)
+        seqs, prompts = _batch(rng, groups=2)
+        cands = [rng.integers(0, V, (len(s) - P, 3)) for s, P in zip(seqs, prompts)]
+        with TeacherClient(server.address) as c:
+            r = c.forward(seqs, logprobs=True, top_p=0.95, topk=8, topk_as_logprobs=True, topk_tail=True,
+                          candidates=cands, temperature=0.8, prompt_lengths=prompts)
+        _check_against_reference(r, ref, seqs, prompts, cands, 0.8, 0.95)
+    finally:
+        server.stop()
+
+
 def test_changing_one_continuation_leaves_the_others_unchanged(grouped_server):
     server, _ = grouped_server
     rng = np.random.default_rng(11)

@@ -42,11 +42,14 @@ class ModelDims:
 
 
 def estimate_peak_bytes(job: Job, dims: ModelDims, chunk: int, pending_pieces: int, window_bytes: int,
-                        pack_tokens: int = 0) -> int:
-    """Upper estimate of the extra bytes the job holds at its peak on one rank (pack_tokens: 0 in exact mode)."""
+                        pack_tokens: int = 0, shared_prefixes: bool = False) -> int:
+    """Upper estimate of the extra bytes the job holds at its peak on one rank (pack_tokens: 0 in exact mode;
+    shared_prefixes: a pack may hold a group's prefix, under its longest sequence, beyond pack_tokens)."""
     longest = max(len(s) for s in job.sequences)
     local = math.ceil(longest / (2 * dims.cp)) * 2 if dims.cp > 1 else longest   # rows on this rank
     body_rows = max(local, pack_tokens)          # a packed body holds the batch's tokens, not the job's
+    if pack_tokens and shared_prefixes:          # logitserve.prefix: prefix + continuations <= this
+        body_rows += longest
     body = body_rows * (_BODY_HIDDEN_COPIES * dims.hidden + _BODY_MLP_COPIES * dims.intermediate) * max(dims.dtype_bytes, _FP32)
     if dims.cp > 1:   # CP attention masks by position: scores [heads, local, longest] fp32
         body += dims.heads * local * math.ceil(longest / (2 * dims.cp)) * 2 * dims.cp * _FP32

@@ -68,18 +68,19 @@ def find_groups(wanted: Sequence[Wanted], min_shared: int) -> tuple[list[Group],
 
 
 def plan_shared_packs(groups: list[Group], alone: list[Wanted], max_tokens: int) -> list[Pack]:
-    """Packs of at most max_tokens (a longer single item packs alone): each group's prefix (a member with
-    job -1, its tokens those of the next member) precedes its continuations in the same pack; a group too
-    large for one pack is split, the prefix repeated in each part."""
+    """Packs of at most max_tokens (a longer item packs alone): each group's prefix (a member with job -1,
+    its tokens those of the next member) precedes its continuations in the same pack. A group part is its
+    prefix plus up to max_tokens of continuations, and at least two of them (so a part never holds more
+    tokens than its sequences would unshared); a larger group is split, the prefix repeated in each part."""
     items: list[list[Member]] = []     # each item stays whole in one pack; offsets are assigned below
     for g in groups:
         parts: list[list[Wanted]] = [[]]
-        used = g.prefix
+        used = 0                      # the continuations' tokens: a part is its prefix + up to max_tokens more
         for w in g.members:
             n = len(w.ids) - g.prefix
-            if parts[-1] and used + n > max_tokens:
+            if len(parts[-1]) >= 2 and used + n > max_tokens:     # two continuations always share
                 parts.append([])
-                used = g.prefix
+                used = 0
             parts[-1].append(w)
             used += n
         for part in parts:
