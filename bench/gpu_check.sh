@@ -6,7 +6,9 @@
 #     (bench/gpu_check.py);
 #  3. throughput by batch shape on CUDA: a ~1.1B Llama (the `1b` demo shape, built locally, bf16), 8x512,
 #     64x64, a mixed batch and reward 64x128, packed and exact against the batched in-process floor
-#     (bench/batching.py). The whole script is sized to finish in under 8 minutes on one GPU.
+#     (bench/batching.py);
+#  4. RL-shaped groups on CUDA bf16 (bench/groups.py: agentic, chat, math, reward, shared prefixes on and off).
+#     The whole script is sized to finish in under 8 minutes on one GPU.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python}
@@ -27,3 +29,5 @@ echo "== bf16 consistency, layouts $layouts"
 $PY bench/gpu_check.py --device cuda --layouts "$layouts,1x1:exact"
 echo "== throughput by batch shape, CUDA bf16, 1b shape"
 $PY bench/batching.py --device cuda --dtype bf16 --shapes 1b --workloads 8x512,64x64,mixed,64x128 --repeats 5
+echo "== RL groups (prompt_lengths, shared prompts), CUDA bf16, 1b shape"
+$PY bench/groups.py --device cuda --dtype bf16 --model-shape 1b --repeats 5

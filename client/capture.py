@@ -1,10 +1,14 @@
 """Offline capture of a teacher's top-k for a whole dataset into safetensors shards, resumable, and their reader.
 
 Input: jsonl, one sample per line, `{"ids": [...]}` (or `input_ids`) or `{"text": "..."}` for
-the server to tokenize. Samples [i*S, (i+1)*S) make shard i: `shard-00000.safetensors` with
-`input_ids` [N] int32, `topk_values` [N, k] (fp32, or bf16 stored as its uint16 bits),
-`topk_ids` [N, k] int32, `topk_tail` [N] fp32, `logprobs` [N] fp32 (with --logprobs),
-`offsets` [n + 1] int64 (sample j is rows offsets[j]:offsets[j+1]) and `sample_index` [n].
+the server to tokenize; an ids sample may carry `"prompt_length": P` (TRL's meaning: the first P
+tokens are context), and then only the predictions of tokens P..L-1 are captured (L - P rows, row j
+predicting token P + j). Samples [i*S, (i+1)*S) make shard i: `shard-00000.safetensors` with
+`input_ids` [N] int32, `topk_values` [M, k] (fp32, or bf16 stored as its uint16 bits),
+`topk_ids` [M, k] int32, `topk_tail` [M] fp32, `logprobs` [M] fp32 (with --logprobs),
+`offsets` [n + 1] int64 (sample j's ids are offsets[j]:offsets[j+1]), `row_offsets` [n + 1] (its
+output rows; equal to offsets when no sample has a prompt length), `prompt_lengths` [n] (0: none)
+and `sample_index` [n].
 A shard is written to a temporary name and renamed, so it exists whole or not at all; a
 rerun skips the shards present (after checking the manifest names the same teacher, input
 and request). Against a teacher serving `--batching exact` a resumed capture equals an
@@ -13,6 +17,7 @@ Needs numpy, safetensors and tqdm (`pip install logitserve[capture]`); no torch.
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -39,20 +44,27 @@ class CaptureConfig:
     in_flight: int = 4             # requests on the stream at once
 
 
-def _samples(path: Path) -> list:
-    out = []
+def _samples(path: Path) -> tuple[list, list]:
+    """(samples, prompt lengths): ids arrays or texts, and each one's prompt_length or None."""
+    out, prompts = [], []
     with open(path) as f:
         for n, line in enumerate(f):
             if not line.strip():
                 continue
             row = json.loads(line)
             if "text" in row:
+                if "prompt_length" in row:
+                    raise ValueError(f"{path}:{n + 1}: prompt_length counts tokens: give 'ids' with it, not 'text'")
                 out.append(str(row["text"]))
             elif "ids" in row or "input_ids" in row:
                 out.append(np.asarray(row.get("ids", row.get("input_ids")), dtype=np.int64))
             else:
                 raise ValueError(f"{path}:{n + 1}: a sample needs 'ids', 'input_ids' or 'text'")
-    return out
+            P = row.get("prompt_length")
+            if P is not None and (not isinstance(P, int) or not 1 <= P <= len(out[-1])):
+                raise ValueError(f"{path}:{n + 1}: prompt_length {P!r} must be an integer in [1, {len(out[-1])}]")
+            prompts.append(P)
+    return out, prompts
 
 
 def _file_hash(path: Path) -> str:
@@ -87,8 +99,9 @@ def _bf16_bits(x: np.ndarray) -> np.ndarray:
     return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
 
 
-def _shard_tensors(results: list, samples_ids: list, first: int, cfg: CaptureConfig) -> dict:
+def _shard_tensors(results: list, samples_ids: list, first: int, cfg: CaptureConfig, prompts: list) -> dict:
     ids = np.concatenate(samples_ids).astype(np.int32)
+    rows = [len(x) - (P or 0) for x, P in zip(samples_ids, prompts)]
     vals = np.concatenate([v for r in results for v in r.topk_values]).astype(np.float32)
     tensors = {
         "input_ids": ids,
@@ -96,6 +109,8 @@ def _shard_tensors(results: list, samples_ids: list, first: int, cfg: CaptureCon
         "topk_ids": np.concatenate([i for r in results for i in r.topk_ids]).astype(np.int32),
         "topk_tail": np.concatenate([t for r in results for t in r.topk_tail]).astype(np.float32),
         "offsets": np.concatenate([[0], np.cumsum([len(x) for x in samples_ids])]).astype(np.int64),
+        "row_offsets": np.concatenate([[0], np.cumsum(rows)]).astype(np.int64),
+        "prompt_lengths": np.asarray([P or 0 for P in prompts], dtype=np.int64),
         "sample_index": np.arange(first, first + len(samples_ids), dtype=np.int64),
     }
     if cfg.logprobs:
@@ -103,14 +118,17 @@ def _shard_tensors(results: list, samples_ids: list, first: int, cfg: CaptureCon
     return tensors
 
 
-def _batches(chunk: list, size: int) -> list[list]:
-    """Requests of up to `size` samples, each all ids or all texts (a request carries one or the other)."""
-    out: list[list] = []
-    for x in chunk:
-        if out and len(out[-1]) < size and isinstance(out[-1][0], str) == isinstance(x, str):
-            out[-1].append(x)
+def _batches(chunk: list, prompts: list, size: int) -> list[tuple[list, list]]:
+    """Requests of up to `size` consecutive samples, each all ids or all texts (a request carries one or the
+    other) and all with or all without a prompt length: (samples, prompt lengths) each."""
+    out: list[tuple[list, list]] = []
+    kind = lambda x, P: (isinstance(x, str), P is None)                                      # noqa: E731
+    for x, P in zip(chunk, prompts):
+        if out and len(out[-1][0]) < size and kind(out[-1][0][0], out[-1][1][0]) == kind(x, P):
+            out[-1][0].append(x)
+            out[-1][1].append(P)
         else:
-            out.append([x])
+            out.append(([x], [P]))
     return out
 
 
@@ -120,7 +138,7 @@ def capture(teacher, input_path, out, cfg: CaptureConfig = CaptureConfig(), prog
     from tqdm import tqdm
 
     input_path, out = Path(input_path), Path(out)
-    samples = _samples(input_path)
+    samples, prompts = _samples(input_path)
     manifest = _manifest(teacher.model_info(), cfg, input_path, len(samples))
     out.mkdir(parents=True, exist_ok=True)
     _check_resumable(out, manifest)
@@ -132,23 +150,26 @@ def capture(teacher, input_path, out, cfg: CaptureConfig = CaptureConfig(), prog
     for s in range(manifest["shards"]):
         first = s * cfg.shard_samples
         chunk = samples[first : first + cfg.shard_samples]
+        chunk_prompts = prompts[first : first + cfg.shard_samples]
         path = out / f"shard-{s:05d}.safetensors"
         if path.exists():                              # finished by an earlier run
             bar.update(len(chunk))
             continue
-        batches = _batches(chunk, cfg.batch_samples)
+        batches = _batches(chunk, chunk_prompts, cfg.batch_samples)
         results: list = []
         pending: list[Future] = []
-        for b in batches:                              # at most in_flight requests on the stream
-            pending.append(teacher.submit(b, wanted))
+        for b, bp in batches:                          # at most in_flight requests on the stream
+            w = wanted if bp[0] is None else dataclasses.replace(wanted, prompt_lengths=bp)
+            pending.append(teacher.submit(b, w))
             if len(pending) >= cfg.in_flight:
                 results.append(pending.pop(0).result())
         results += [f.result() for f in pending]
         ids = [r.input_ids[j] if r.input_ids is not None else np.asarray(b[j])
-               for r, b in zip(results, batches) for j in range(len(b))]
+               for r, (b, _) in zip(results, batches) for j in range(len(b))]
         tmp = path.with_suffix(".tmp")
         # one metadata key: safetensors writes its metadata map in no fixed order, and shards must be byte-stable
-        save_file(_shard_tensors(results, ids, first, cfg), str(tmp), metadata={"format": f"{FORMAT}/{cfg.dtype}"})
+        save_file(_shard_tensors(results, ids, first, cfg, chunk_prompts), str(tmp),
+                  metadata={"format": f"{FORMAT}/{cfg.dtype}"})
         os.replace(tmp, path)
         tokens += sum(len(x) for x in ids)
         bar.update(len(chunk))
@@ -165,6 +186,7 @@ class CapturedSample:
     topk_ids: np.ndarray           # [L, k] int32
     topk_tail: np.ndarray          # [L] float32
     logprobs: Optional[np.ndarray] = None
+    prompt_length: Optional[int] = None   # with one, the outputs have L - P rows (row j predicts token P + j)
 
 
 def read_capture(directory) -> Iterator[CapturedSample]:
@@ -183,10 +205,13 @@ def read_capture(directory) -> Iterator[CapturedSample]:
         t = load_file(str(path))
         vals = (t["topk_values"].astype(np.uint32) << 16).view(np.float32) if bf16 else t["topk_values"]
         o = t["offsets"]
+        ro = t.get("row_offsets", o)                   # captures from before prompt lengths: rows = ids
+        prompts = t.get("prompt_lengths", np.zeros(len(t["sample_index"]), np.int64))
         for j, index in enumerate(t["sample_index"]):
-            r = slice(o[j], o[j + 1])
-            yield CapturedSample(int(index), t["input_ids"][r], vals[r], t["topk_ids"][r], t["topk_tail"][r],
-                                 t["logprobs"][r] if "logprobs" in t else None)
+            r = slice(ro[j], ro[j + 1])
+            yield CapturedSample(int(index), t["input_ids"][o[j] : o[j + 1]], vals[r], t["topk_ids"][r],
+                                 t["topk_tail"][r], t["logprobs"][r] if "logprobs" in t else None,
+                                 int(prompts[j]) or None)
 
 
 def verify(teacher, directory, samples: int = 8, seed: int = 0, atol: float = 1e-5) -> float:
@@ -202,7 +227,8 @@ def verify(teacher, directory, samples: int = 8, seed: int = 0, atol: float = 1e
     worst = 0.0
     for i in pick:
         c = captured[int(i)]
-        r = teacher.forward([c.input_ids], temperature=cfg["temperature"], topk=cfg["topk"], topk_as_logprobs=True)
+        r = teacher.forward([c.input_ids], temperature=cfg["temperature"], topk=cfg["topk"], topk_as_logprobs=True,
+                            prompt_lengths=None if c.prompt_length is None else [c.prompt_length])
         tol = atol + (np.abs(r.topk_values[0]) * 2.0 ** -8 if cfg["dtype"] == "bf16" else 0.0)
         diff = np.abs(r.topk_values[0] - c.topk_values)
         worst = max(worst, float(diff.max(initial=0.0)))

@@ -219,11 +219,17 @@ async def create_server(loaded: LoadedModel, config: ServerConfig, layout: Optio
     return running
 
 
-async def _until_stopped(running: Running, config: ServerConfig, fatal: asyncio.Event) -> None:
+def _stop_on_signals() -> asyncio.Event:
+    """SIGINT/SIGTERM set the returned event from now on (installed before the port opens: a signal during
+    loading or right after 'serving' is a clean stop, never the default kill)."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+    return stop
+
+
+async def _until_stopped(running: Running, config: ServerConfig, fatal: asyncio.Event, stop: asyncio.Event) -> None:
     waiters = [asyncio.ensure_future(stop.wait()), asyncio.ensure_future(fatal.wait())]
     await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
     for w in waiters:
@@ -257,18 +263,22 @@ def _warn_insecure(config: ServerConfig) -> None:
 async def serve(model: ModelConfig, config: ServerConfig) -> int:
     """One process, one rank: open the port, load, serve until SIGINT/SIGTERM, then drain for config.grace_s."""
     _warn_insecure(config)
+    stop = _stop_on_signals()
     listening = await open_port(config)
     config = dataclasses.replace(config, port=listening.port)
     _announce_loading(config, listening)
     try:
         loaded = await asyncio.to_thread(load, model)     # the event loop answers health and UNAVAILABLE meanwhile
+        if stop.is_set():                                  # told to stop while loading
+            await listening.close()
+            return 0
         running = await create_server(loaded, config, listening=listening)
     except BaseException as e:
         listening.gate.fail(f"{type(e).__name__}: {e}")
         await listening.close()
         raise
     _announce(loaded, config, running)
-    await _until_stopped(running, config, asyncio.Event())
+    await _until_stopped(running, config, asyncio.Event(), stop)
     return 0
 
 
@@ -313,6 +323,7 @@ def _rank_engine(model: ModelConfig, config: ServerConfig, ctx) -> tuple:
 async def _serve_root(model: ModelConfig, ctx, config: ServerConfig) -> int:
     from logitserve.distributed import DistributedRunner
 
+    stop = _stop_on_signals()
     listening = await open_port(config)
     config = dataclasses.replace(config, port=listening.port)
     _announce_loading(config, listening)
@@ -331,7 +342,7 @@ async def _serve_root(model: ModelConfig, ctx, config: ServerConfig) -> int:
                                   estimate=estimate, batching=engine.batching, listening=listening)
     _announce(loaded, config, running)
 
-    await _until_stopped(running, config, fatal)   # a lost rank: health goes NOT_SERVING as the server stops
+    await _until_stopped(running, config, fatal, stop)   # a lost rank: health goes NOT_SERVING as the server stops
     if runner.failed:
         log.error("exiting: a rank was lost (%s)", runner.failed)
         return 1

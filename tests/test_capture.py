@@ -98,3 +98,33 @@ def test_the_reader_gives_back_what_the_teacher_serves(exact_teacher, dataset, t
     with pytest.raises(ValueError, match="another request"):
         with TeacherClient(exact_teacher.address) as c:
             capture(c, dataset, tmp_path / "fp32", CaptureConfig(topk=9), progress=False)
+
+
+def test_prompt_lengths_capture_only_the_response_rows(exact_teacher, tmp_path):
+    rng = np.random.default_rng(3)
+    data = tmp_path / "rl.jsonl"
+    rows = []
+    with open(data, "w") as f:
+        for i in range(20):
+            ids = rng.integers(0, VOCAB, int(rng.integers(3, 60))).tolist()
+            row = {"ids": ids} if i % 4 == 0 else {"ids": ids, "prompt_length": int(rng.integers(1, len(ids) + 1))}
+            rows.append(row)
+            f.write(json.dumps(row) + "\n")
+    with TeacherClient(exact_teacher.address) as c:
+        capture(c, data, tmp_path / "out", CFG, progress=False)
+        samples = list(read_capture(tmp_path / "out"))
+        for s, row in zip(samples, rows):
+            P = row.get("prompt_length")
+            assert s.prompt_length == P and s.input_ids.tolist() == row["ids"]
+            r = c.forward([row["ids"]], logprobs=True, topk=8, topk_as_logprobs=True, topk_tail=True)
+            first = 0 if P is None else P - 1                       # row j of a span predicts token P + j
+            last = len(row["ids"]) if P is None else len(row["ids"]) - 1
+            assert np.array_equal(s.topk_ids, r.topk_ids[0][first:last])
+            assert np.array_equal(s.topk_values, r.topk_values[0][first:last])
+            assert np.array_equal(s.logprobs, r.logprobs[0] if P is None else r.logprobs[0][P:])
+        assert verify(c, tmp_path / "out", samples=6) <= 1e-5
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"ids": [1, 2, 3], "prompt_length": 4}) + "\n")
+    with pytest.raises(ValueError, match="prompt_length 4"):
+        with TeacherClient(exact_teacher.address) as c:
+            capture(c, bad, tmp_path / "bad", CFG, progress=False)

@@ -98,7 +98,7 @@ def test_config_statistics_and_index_count_both_apis(model_dirs):
             assert config.max_batch_size == 0 and config.platform == "logitserve"
             assert [(i.name, i.data_type, list(i.dims), i.optional) for i in config.input] == [
                 ("input_ids", kpb.TYPE_INT32, [-1, -1], False), ("sequence_lengths", kpb.TYPE_INT32, [-1], True),
-                ("candidate_ids", kpb.TYPE_INT32, [-1, -1, -1], True)]
+                ("candidate_ids", kpb.TYPE_INT32, [-1, -1, -1], True), ("prompt_lengths", kpb.TYPE_INT32, [-1], True)]
             assert {o.name: o.data_type for o in config.output}["topk_ids"] == kpb.TYPE_INT32
             assert config.parameters["vocab_size"].string_value == str(VOCAB)
             assert "temperature:float" in config.parameters["request_parameters"].string_value.split(",")

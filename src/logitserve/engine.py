@@ -231,6 +231,8 @@ class Engine:
                 if a >= b:                  # padding, or rows nobody reads: an empty step (ranks stay in step)
                     yield Step((j,))
                     continue
+                if self.batching is Batching.EXACT:   # whole chunks: rows bitwise those of a request without a span
+                    a, b = s0, s1
                 rows = h[run.local + c0 + (a - s0) : run.local + c0 + (b - s0)]
                 z = self.logits(rows, job.temperature)                                          # [c, V/tp]
                 pieces = block_pieces(job, z, [Segment(i, ids, a, b, 0, span)], self.head_shard, cands)
