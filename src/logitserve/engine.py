@@ -14,7 +14,6 @@ Results leave step by step as `Piece`s, rectangles of an output with their offse
 """
 from __future__ import annotations
 
-import dataclasses
 import enum
 from dataclasses import dataclass
 from typing import Callable, Iterator, Optional
@@ -30,7 +29,7 @@ from .outputs import HeadShard, Piece, Segment, block_pieces, empty_token_pieces
 from .packing import (VARLEN_ATTENTION, Pack, cpu_pack_tokens, packed_forward, packed_positions, plan_packs,
                       register_varlen_attention)
 from .parallel import ParallelContext, single_rank
-from .prefix import Wanted, find_groups, plan_shared_packs
+from .prefix import Wanted, find_groups, live_members, plan_shared_packs, shared_by_job
 from .spec import Job, OutputKind
 from .vocab_parallel import VocabShard, full_vocab
 
@@ -254,7 +253,7 @@ class Engine:
     # -- packed: one body for many sequences --------------------------------------------
     def _pack_steps(self, run: "_Run", pack: Pack) -> Iterator[Step]:
         jobs = run.jobs
-        body = _live_members(pack, run)      # with shared prefixes (job -1) that some live member continues
+        body = live_members(pack, run.live)  # with shared prefixes (job -1) that some live member continues
         members = [m for m in body if m.job >= 0]
         if not members:
             return
@@ -277,7 +276,7 @@ class Engine:
             places[id(m)] = at
             at += m.length
         offsets = [places[id(m)] for m in members]
-        shared = _shared_by_job(body)
+        shared = shared_by_job(body)
         if shared:
             yield Step(tuple(j for j, _ in shared), shared=shared if self.head_shard.emits_replicated else ())
         if jobs[members[0].job].scores:   # reward models: every job of the batch wants scores
@@ -386,30 +385,3 @@ class _Run:
         if not self.isolate or isinstance(e, CollectiveFailed):
             raise e
 
-
-def _live_members(pack: Pack, run: _Run) -> list:
-    """The pack's members still wanted, parents renumbered; a shared prefix stays while a live member continues it."""
-    keep = [m.job < 0 or run.live(m.job) for m in pack.members]
-    for k, m in enumerate(pack.members):
-        if m.job < 0:
-            keep[k] = any(keep[x] and c.parent == k for x, c in enumerate(pack.members))
-    new_index, out = {}, []
-    for k, m in enumerate(pack.members):
-        if keep[k]:
-            new_index[k] = len(out)
-            out.append(dataclasses.replace(m, parent=new_index[m.parent]) if m.parent >= 0 else m)
-    return out
-
-
-def _shared_by_job(body: list) -> tuple[tuple[int, int], ...]:
-    """(job, tokens) its sequences skipped thanks to a shared prefix; each prefix's one computation is charged
-    to its first continuation, so the counts add up to what the batch saved."""
-    by_job: dict[int, int] = {}
-    charged: set[int] = set()
-    for m in body:
-        if m.parent >= 0:
-            saved = m.start if m.parent in charged else 0
-            charged.add(m.parent)
-            if saved:
-                by_job[m.job] = by_job.get(m.job, 0) + saved
-    return tuple(by_job.items())

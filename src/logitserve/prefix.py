@@ -11,8 +11,9 @@ A group larger than a pack is split, each part with its own copy of the prefix.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -110,7 +111,29 @@ def plan_shared_packs(groups: list[Group], alone: list[Wanted], max_tokens: int)
     return packs
 
 
-def saved_tokens(pack: Pack) -> int:
-    """Tokens this pack did not compute thanks to shared prefixes: (members - 1) x S per prefix."""
-    return sum(m.start for m in pack.members if m.parent >= 0) - sum(
-        m.length for m in pack.members if m.job == -1)
+def live_members(pack: Pack, live: Callable[[int], bool]) -> list[Member]:
+    """The pack's members still wanted, parents renumbered; a shared prefix stays while a live member continues it."""
+    keep = [m.job < 0 or live(m.job) for m in pack.members]
+    for k, m in enumerate(pack.members):
+        if m.job < 0:
+            keep[k] = any(keep[x] and c.parent == k for x, c in enumerate(pack.members))
+    new_index, out = {}, []
+    for k, m in enumerate(pack.members):
+        if keep[k]:
+            new_index[k] = len(out)
+            out.append(dataclasses.replace(m, parent=new_index[m.parent]) if m.parent >= 0 else m)
+    return out
+
+
+def shared_by_job(body: list[Member]) -> tuple[tuple[int, int], ...]:
+    """(job, tokens) its sequences skipped thanks to a shared prefix; each prefix's one computation is charged
+    to its first continuation, so the counts add up to what the batch saved."""
+    by_job: dict[int, int] = {}
+    charged: set[int] = set()
+    for m in body:
+        if m.parent >= 0:
+            saved = m.start if m.parent in charged else 0
+            charged.add(m.parent)
+            if saved:
+                by_job[m.job] = by_job.get(m.job, 0) + saved
+    return tuple(by_job.items())
