@@ -342,3 +342,31 @@ def test_packed_gemma2_capped_scores_and_sliding_window_equal_reference(tmp_path
         z = ref.logits(seq)
         _close(got.logprobs[j], ref_token_logprobs(z, seq))
         _close(got.full_logits[j], z[:, :64].numpy())
+
+
+def test_flash_varlen_without_enable_gqa_repeats_the_kv_heads(monkeypatch):
+    """A torch whose varlen_attn takes no enable_gqa (issue 21): the GQA call is retried with repeated KV heads.
+    The kernel is stood in for by a per-sequence causal sdpa on CPU that refuses the keyword, as such a torch does."""
+    import torch.nn.attention.varlen as varlen
+    import torch.nn.functional as F
+    from logitserve.packing import _flash_varlen, _grouped_sdpa
+
+    def old_varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, window_size=(-1, -1)):   # [N, H, D]
+        assert q.shape[1] == k.shape[1], "heads must match without enable_gqa"
+        out = torch.empty_like(q)
+        for a, b in zip(cu_q[:-1].tolist(), cu_q[1:].tolist()):
+            out[a:b] = F.scaled_dot_product_attention(q[a:b].transpose(0, 1), k[a:b].transpose(0, 1),
+                                                      v[a:b].transpose(0, 1), is_causal=True,
+                                                      scale=scale).transpose(0, 1)
+        return out
+
+    monkeypatch.setattr(varlen, "varlen_attn", old_varlen_attn)
+    g = torch.Generator().manual_seed(0)
+    lengths = (5, 9, 3)
+    N = sum(lengths)
+    q = torch.randn(1, 8, N, 16, generator=g)
+    k, v = torch.randn(1, 2, N, 16, generator=g), torch.randn(1, 2, N, 16, generator=g)
+    cu = torch.tensor([0, 5, 14, 17], dtype=torch.int32)
+    got = _flash_varlen(q, k, v, cu, max(lengths), None, None)                         # [1, N, H, D]
+    want = _grouped_sdpa(q, k, v, lengths, None, None)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)

@@ -202,8 +202,15 @@ def _flash_varlen(query, key, value, cu, max_len, scaling, window) -> torch.Tens
     k = key[0].transpose(0, 1).contiguous()                                # [N, Hkv, D]
     v = value[0].transpose(0, 1).contiguous()
     left = window - 1 if window else -1
-    out = varlen_attn(q, k, v, cu, cu, max_len, max_len, scale=scaling, window_size=(left, 0),
-                      enable_gqa=query.shape[1] != key.shape[1])          # [N, H, D]
+    kw = dict(scale=scaling, window_size=(left, 0))
+    if query.shape[1] == key.shape[1]:
+        return varlen_attn(q, k, v, cu, cu, max_len, max_len, **kw)[None]
+    try:
+        out = varlen_attn(q, k, v, cu, cu, max_len, max_len, enable_gqa=True, **kw)      # [N, H, D]
+    except TypeError:    # a torch whose varlen_attn takes no enable_gqa: repeat the KV heads instead
+        groups = q.shape[1] // k.shape[1]
+        out = varlen_attn(q, k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1), cu, cu,
+                          max_len, max_len, **kw)
     return out[None]
 
 
@@ -224,6 +231,8 @@ def varlen_attention_forward(module, query, key, value, attention_mask, dropout:
             cu = torch.tensor([0, query.shape[2]], dtype=torch.int32, device=query.device)
         try:
             return _flash_varlen(query, key, value, cu, max(lengths), scaling, sliding_window), None
+        except torch.cuda.OutOfMemoryError:      # this batch's problem, not the kernel's: flash stays on
+            raise
         except (RuntimeError, ImportError, NotImplementedError) as e:   # no flash kernel for this GPU or build
             _flash_ok = False
             log.warning("varlen flash attention unavailable (%s); packed attention uses sdpa per length", e)
