@@ -34,7 +34,7 @@ from logitserve.validate import validate_job
 from . import codec
 from .metrics import account
 from .params import Param, ParamTable
-from .servicer import SHUTTING_DOWN
+from .servicer import ENDED_BY_SHUTDOWN, SHUTTING_DOWN
 from .status import to_status
 
 OUTPUTS = {"token_logprobs": OutputKind.TOKEN_LOGPROBS, "topk_values": OutputKind.TOPK_VALUES,
@@ -300,24 +300,29 @@ class KServeServicer(kpb_grpc.GRPCInferenceServiceServicer):
 
     async def _infer(self, request: kpb.ModelInferRequest):
         """(response, None), or (None, (code, message)) for a failed request; its access-log line and metrics
-        either way. Cancellation propagates."""
+        either way. Counted in flight with the native requests: drained for --grace-s on shutdown, then ended
+        UNAVAILABLE. Other cancellation propagates."""
         started, job, status = time.monotonic(), None, grpc.StatusCode.OK
         try:
-            if not self._ready():
-                raise Unavailable(SHUTTING_DOWN)
-            too_long = codec.request_id_error(request.id)
-            if too_long is not None:
-                raise InvalidRequest("id", too_long.split(": ", 1)[1])
-            if not self._serves(request.model_name):
-                raise InvalidRequest("model_name", f"{request.model_name[:64]!r} is not served here; this server "
-                                                   f"holds {self._loaded.name!r}")
-            job, names, params = decode(request, self._loaded.kind)
-            timeout = timeout_of(params)
-            self._native.check_size(job)
-            validate_job(job, self._loaded.limits)
-            return await self._answer(request, job, names, timeout), None
+            with self._native.tracking():
+                if not self._ready():
+                    raise Unavailable(SHUTTING_DOWN)
+                too_long = codec.request_id_error(request.id)
+                if too_long is not None:
+                    raise InvalidRequest("id", too_long.split(": ", 1)[1])
+                if not self._serves(request.model_name):
+                    raise InvalidRequest("model_name", f"{request.model_name[:64]!r} is not served here; this "
+                                                       f"server holds {self._loaded.name!r}")
+                job, names, params = decode(request, self._loaded.kind)
+                timeout = timeout_of(params)
+                self._native.check_size(job)
+                validate_job(job, self._loaded.limits)
+                return await self._answer(request, job, names, timeout), None
         except asyncio.CancelledError:
             status = grpc.StatusCode.CANCELLED
+            if self._native.ending:             # the grace period is over: say so
+                status = grpc.StatusCode.UNAVAILABLE
+                return None, (status, ENDED_BY_SHUTDOWN)
             raise
         except Exception as e:      # noqa: BLE001 (every error becomes its status, in one place)
             failure = (grpc.StatusCode.DEADLINE_EXCEEDED, "timeout_s: the request did not finish in time") \

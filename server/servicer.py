@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from dataclasses import dataclass
 
@@ -86,6 +87,20 @@ class LogitServeServicer(pb_grpc.LogitServeServicer):
 
     def in_flight(self) -> int:
         return len(self._requests)
+
+    @property
+    def ending(self) -> bool:
+        return self._ending
+
+    @contextlib.contextmanager
+    def tracking(self):
+        """The current task counts as a request in flight (KServe's calls: drained and ended like native ones)."""
+        task = asyncio.current_task()
+        self._requests.add(task)
+        try:
+            yield
+        finally:
+            self._requests.discard(task)
 
     def end_in_flight(self) -> None:
         """Past the grace period: every request still running ends now with UNAVAILABLE (its stream then ends)."""

@@ -176,3 +176,31 @@ def test_prompt_lengths_out_of_range_are_refused(llama_server):
     with grpc.insecure_channel(llama_server.address) as ch:
         out = list(pb_grpc.LogitServeStub(ch).Forward(iter([req])))
     assert out[0].error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0] and "prompt_lengths" in out[0].error.message
+
+
+@pytest.fixture(scope="module", params=["tp2", "cp2"])
+def sharded_server(request, long_model):
+    directory, ref = long_model
+    flag = "--tp" if request.param == "tp2" else "--cp"
+    server = CliServer("--model", str(directory), flag, "2", "--logprob-chunk-size", "16")
+    yield server, ref
+    assert server.stop() == 0, "".join(server.log[-20:])
+
+
+def test_empty_spans_and_slices_keep_the_ranks_in_step(sharded_server):
+    """P = L beside a full-logits slice: every rank takes the same steps (TP 2 gathers the slices, CP 2 every
+    step), so the server answers, stays up and the next request is exact."""
+    server, ref = sharded_server
+    rng = np.random.default_rng(4)
+    seqs = [rng.integers(0, V, n) for n in (8, 5, 40)]
+    prompts = [8, 2, 40]
+    with TeacherClient(server.address) as c:
+        r = c.forward(seqs, logprobs=True, topk=3, full_logits=True, seq_range=(0, 2), vocab_range=(10, 20),
+                      prompt_lengths=prompts)
+        again = c.forward(seqs, logprobs=True, prompt_lengths=[1, 1, 1])
+    assert r.logprobs[0].shape == (0,) and r.topk_ids[2].shape == (0, 3) and r.logprobs[1].shape == (3,)
+    for i, s in enumerate(seqs):
+        z = ref.logits(s)
+        np.testing.assert_allclose(r.full_logits[i], z[0:2, 10:20].numpy(), atol=1e-5)
+        np.testing.assert_allclose(again.logprobs[i], ref_token_logprobs(z, s)[1:], atol=1e-5)
+    np.testing.assert_allclose(r.logprobs[1], ref_token_logprobs(ref.logits(seqs[1]), seqs[1])[2:], atol=1e-5)

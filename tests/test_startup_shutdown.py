@@ -145,3 +145,43 @@ def test_sigterm_past_the_grace_period_ends_requests_with_unavailable_and_exits_
     assert err is not None and err.code == grpc.StatusCode.UNAVAILABLE, result
     assert "grace" in err.details
     assert not any("terminate called" in line for line in server.log)
+
+
+def _kserve_logprobs(seqs):
+    ids = np.stack(seqs).astype(np.int32)
+    req = kpb.ModelInferRequest(model_name="")
+    req.inputs.add(name="input_ids", datatype="INT32", shape=list(ids.shape))
+    req.raw_input_contents.append(ids.tobytes())
+    req.outputs.add(name="token_logprobs")
+    return req
+
+
+@pytest.mark.parametrize("grace,ends", [("0.3", "UNAVAILABLE"), ("60", "OK")])
+def test_kserve_requests_get_the_grace_period_too(grace, ends):
+    """A KServe call in flight at SIGTERM is drained like a native one: it finishes within --grace-s, or is ended
+    with UNAVAILABLE once it is over; the process exits 0 either way."""
+    server = CliServer("--grace-s", grace, "--demo-shape", "body")
+    rng = np.random.default_rng(1)
+    req = _kserve_logprobs([rng.integers(3, 32000, 2048) for _ in range(6)])
+    result = {}
+    with grpc.insecure_channel(server.address) as ch:
+        stub = kpb_grpc.GRPCInferenceServiceStub(ch)
+
+        def call():
+            try:
+                result["shape"] = tuple(stub.ModelInfer(req, timeout=120).outputs[0].shape)
+                result["code"] = "OK"
+            except grpc.RpcError as e:
+                result["code"], result["details"] = e.code().name, e.details()
+        t = threading.Thread(target=call)
+        t.start()
+        time.sleep(1.0)
+        assert t.is_alive(), "the request finished before SIGTERM: make it longer"
+        code = server.stop(timeout=120)
+        t.join(60)
+    assert code == 0, "".join(server.log[-20:])
+    assert result["code"] == ends, result
+    if ends == "OK":
+        assert result["shape"] == (6, 2048)
+    else:
+        assert "grace" in result["details"]

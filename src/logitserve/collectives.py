@@ -2,8 +2,9 @@
 
 A collective that fails or times out (gloo/NCCL raise plain RuntimeErrors) means the ranks are out of
 step: it becomes `CollectiveFailed`, which the engine never isolates to one request, and the server
-treats as a lost rank. Any other exception raised by every rank alike for one request ends only that
-request (logitserve.engine, isolate).
+treats as a lost rank. A Python-level exception raised by every rank alike for one request ends only
+that request (logitserve.engine, isolate); across ranks a RuntimeError (an OOM or device fault may hit
+one rank alone) is fatal too.
 """
 from __future__ import annotations
 

@@ -168,7 +168,7 @@ class Engine:
         step as long as every rank raises alike for the same job (a request's own error);
         a failed collective (CollectiveFailed) is never isolated: the ranks are out of step.
         """
-        run = _Run(jobs, skip or (lambda j: False), isolate)
+        run = _Run(jobs, skip or (lambda j: False), isolate, across_ranks=self.parallel.config.world_size > 1)
         if self.batching is Batching.EXACT:
             for j, job in enumerate(jobs):
                 for i, seq in enumerate(job.sequences):
@@ -219,8 +219,8 @@ class Engine:
         chunk = self.config.chunk_size
         lo, hi = job.head_rows(i, self.shard.vocab_size)          # only rows someone reads go through the head
         span = job.token_rows(i) if job.prompt_lengths is not None else None
-        empty = self._empty_span_pieces(job, i, cands) if p.cp_rank == 0 else []
-        if empty:
+        if _span_is_empty(job, i):     # a Step on every rank (they gather step by step), pieces from one
+            empty = empty_token_pieces(job, i, self.head_shard, cands) if p.cp_rank == 0 else []
             yield Step((j,), tuple((j, piece) for piece in empty))
         for run in runs:
             for c0 in range(0, run.length, chunk):
@@ -236,12 +236,6 @@ class Engine:
                 z = self.logits(rows, job.temperature)                                          # [c, V/tp]
                 pieces = block_pieces(job, z, [Segment(i, ids, a, b, 0, span)], self.head_shard, cands)
                 yield Step((j,), tuple((j, piece) for piece in pieces))
-
-    def _empty_span_pieces(self, job: Job, i: int, cands: dict) -> list[Piece]:
-        """Zero-row token outputs for a sequence whose prompt is all of it (P = L)."""
-        if job.prompt_lengths is None or job.prompt_lengths[i] < len(job.sequences[i]):
-            return []
-        return empty_token_pieces(job, i, self.head_shard, cands)
 
     @torch.inference_mode()
     def _scores(self, last: torch.Tensor, sequences: list[int]) -> list[Piece]:
@@ -290,10 +284,11 @@ class Engine:
             return
         cands = {j: self._cands(jobs[j], [m.sequence for m in members if m.job == j])
                  for j in dict.fromkeys(m.job for m in members)}
-        empty = [(m.job, piece) for m in members
-                 for piece in self._empty_span_pieces(jobs[m.job], m.sequence, cands[m.job])]
-        if empty:
-            yield Step(tuple(dict.fromkeys(j for j, _ in empty)), tuple(empty))
+        spanless = [m for m in members if _span_is_empty(jobs[m.job], m.sequence)]
+        if spanless:                   # a Step on every rank (they gather step by step), pieces from TP rank 0
+            yield Step(tuple(dict.fromkeys(m.job for m in spanless)),
+                       tuple((m.job, piece) for m in spanless
+                             for piece in empty_token_pieces(jobs[m.job], m.sequence, self.head_shard, cands[m.job])))
         # The head runs only on the rows someone reads (all of them unless prompt_lengths or a slice say less):
         # each member's rows [lo, hi), gathered into one [M, H] block when that is not all of h.
         V = self.shard.vocab_size
@@ -356,13 +351,20 @@ class Engine:
         return Step(tuple(segs), tuple(pieces), tuple(errors))
 
 
+def _span_is_empty(job: Job, i: int) -> bool:
+    """prompt_lengths P = L: nothing to predict, yet every token output asked for must arrive (empty)."""
+    return (job.prompt_lengths is not None and job.prompt_lengths[i] == len(job.sequences[i])
+            and any(x is not None for x in (job.logprobs, job.topk, job.candidates)))
+
+
 class _Run:
     """A batch in progress: its jobs, which were skipped or failed, and whether failures stay with their job."""
 
-    def __init__(self, jobs: list[Job], skip: Callable[[int], bool], isolate: bool):
+    def __init__(self, jobs: list[Job], skip: Callable[[int], bool], isolate: bool, across_ranks: bool = False):
         self.jobs = jobs
         self.skip = skip
         self.isolate = isolate
+        self.across_ranks = across_ranks
         self.failed: set[int] = set()
 
     def live(self, j: int) -> bool:
@@ -381,7 +383,10 @@ class _Run:
             yield Step((j,), errors=((j, e),))
 
     def reraise_unless_isolated(self, e: Exception) -> None:
-        """A job's own error stays with the job (when isolating); a failed collective never does."""
-        if not self.isolate or isinstance(e, CollectiveFailed):
+        """A job's own error stays with the job (when isolating); a failed collective never does. Across ranks only
+        errors every rank raises alike are isolated: Python-level ones (TypeError, ValueError, IndexError, ...).
+        A RuntimeError there may be one rank's alone (CUDA or host OOM, a device fault): redoing the work on that
+        rank only would put the ranks' collectives out of step, so it is fatal, as a lost rank is."""
+        if not self.isolate or isinstance(e, CollectiveFailed) or (self.across_ranks and isinstance(e, RuntimeError)):
             raise e
 
