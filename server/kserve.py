@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from logitserve.engine import SharedTokens
-from logitserve.errors import InvalidRequest, Unavailable
+from logitserve.errors import InvalidRequest, OverLimit, Unavailable
 from logitserve.kserve import grpc_predict_v2_pb2 as kpb
 from logitserve.kserve import grpc_predict_v2_pb2_grpc as kpb_grpc
 from logitserve.spec import Job, LogprobsOpts, ModelKind, OutputKind, SliceOpts, TopKOpts, WireDType
@@ -137,9 +137,10 @@ def _input(req: kpb.ModelInferRequest, name: str) -> Optional[np.ndarray]:
     return None
 
 
-def decode(req: kpb.ModelInferRequest, kind: ModelKind) -> tuple[Job, list[str], dict]:
+def decode(req: kpb.ModelInferRequest, kind: ModelKind, max_sequences: int = 4096) -> tuple[Job, list[str], dict]:
     """The Job, the output names and the typed parameters of a ModelInferRequest (its deadline: timeout_of);
-    malformed input raises InvalidRequest naming the input or parameter."""
+    malformed input raises InvalidRequest naming the input or parameter; more than `max_sequences` rows,
+    OverLimit before anything per row is built (a [2^32, 0] tensor holds no bytes but 2^32 rows)."""
     names = [o.name for o in req.outputs] or (["scores"] if kind is ModelKind.REWARD else ["token_logprobs"])
     unknown = sorted(set(names) - set(OUTPUTS))
     if unknown:
@@ -148,6 +149,9 @@ def decode(req: kpb.ModelInferRequest, kind: ModelKind) -> tuple[Job, list[str],
     ids = _input(req, "input_ids")
     if ids is None or ids.ndim != 2:
         raise InvalidRequest("inputs[input_ids]", "an INT32 or INT64 [B, L] tensor named input_ids is needed")
+    if ids.shape[0] > max_sequences:
+        raise OverLimit(f"inputs[input_ids]: {ids.shape[0]} sequences in this request is over the server's "
+                        f"--max-sequences-per-request {max_sequences}")
     lengths = _input(req, "sequence_lengths")
     lengths = [ids.shape[1]] * ids.shape[0] if lengths is None else [int(x) for x in lengths.reshape(-1)]
     if len(lengths) != ids.shape[0] or any(not 0 <= n <= ids.shape[1] for n in lengths):
@@ -313,7 +317,7 @@ class KServeServicer(kpb_grpc.GRPCInferenceServiceServicer):
                 if not self._serves(request.model_name):
                     raise InvalidRequest("model_name", f"{request.model_name[:64]!r} is not served here; this "
                                                        f"server holds {self._loaded.name!r}")
-                job, names, params = decode(request, self._loaded.kind)
+                job, names, params = decode(request, self._loaded.kind, self._native.max_sequences)
                 timeout = timeout_of(params)
                 self._native.check_size(job)
                 validate_job(job, self._loaded.limits)

@@ -92,6 +92,11 @@ class LogitServeServicer(pb_grpc.LogitServeServicer):
     def ending(self) -> bool:
         return self._ending
 
+    @property
+    def max_sequences(self) -> int:
+        """--max-sequences-per-request, for front-ends that must check it before building per-sequence state."""
+        return self._stream_limits.max_sequences
+
     @contextlib.contextmanager
     def tracking(self):
         """The current task counts as a request in flight (KServe's calls: drained and ended like native ones)."""

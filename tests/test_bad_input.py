@@ -79,6 +79,16 @@ REFUSED = [
 ]
 
 
+def test_a_tensor_of_many_empty_rows_is_refused_before_any_row_is_built(llama_server):
+    """[2^32, 0] input_ids hold no bytes but 2^32 rows (found by the 10,000-case fuzz: a MemoryError, INTERNAL)."""
+    req = _ids_input(kpb.ModelInferRequest(model_name=""), "input_ids", "INT32", [1 << 32, 0], b"")
+    with grpc.insecure_channel(llama_server.address) as ch:
+        with pytest.raises(grpc.RpcError) as e:
+            kpb_grpc.GRPCInferenceServiceStub(ch).ModelInfer(req, timeout=30)
+    assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, e.value.details()
+    assert "--max-sequences-per-request" in e.value.details()
+
+
 def _output_k(req, value):
     setattr(req.outputs[0].parameters["k"], _PARAM_FIELD[type(value)], value)
     return req
