@@ -37,8 +37,8 @@ def _int32_tensor(field: str, t: pb.Tensor, ndim: int) -> np.ndarray:
     if t.dtype not in (pb.INT32, pb.DTYPE_UNSPECIFIED):
         raise InvalidRequest(field, f"token ids must be INT32, got {pb.DType.Name(t.dtype) if t.dtype in pb.DType.values() else t.dtype}")
     shape = tuple(int(d) for d in t.shape)
-    if len(shape) != ndim or any(d < 0 for d in shape):
-        raise InvalidRequest(field, f"shape {list(shape)[:8]} must have {ndim} non-negative dimensions")
+    if len(shape) != ndim or any(not 0 <= d <= 1 << 31 for d in shape):
+        raise InvalidRequest(field, f"shape {list(shape)[:8]} must have {ndim} dimensions in [0, 2^31]")
     count = math.prod(shape)      # Python ints: a shape that overflows int64 cannot wrap to a small count
     if len(t.data) != 4 * count:
         raise InvalidRequest(field, f"{len(t.data)} bytes do not hold int32 shape {list(shape)} ({4 * count} bytes)")

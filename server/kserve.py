@@ -113,9 +113,9 @@ def _input(req: kpb.ModelInferRequest, name: str) -> Optional[np.ndarray]:
             raise InvalidRequest(f"{field}.datatype", f"{t.datatype[:32]!r}: send INT32 or INT64")
         shape = tuple(int(d) for d in t.shape)
         count = math.prod(shape)   # Python ints: no overflow
-        if any(d < 0 for d in shape) or count > MAX_ELEMENTS:
-            raise InvalidRequest(f"{field}.shape", f"{list(shape)[:8]} must be non-negative and hold at most "
-                                                   f"2^31 elements")
+        if any(not 0 <= d <= MAX_ELEMENTS for d in shape) or count > MAX_ELEMENTS:   # each dim too: numpy
+            raise InvalidRequest(f"{field}.shape", f"{list(shape)[:8]} must be dimensions in [0, 2^31] holding "
+                                                   f"at most 2^31 elements")         # refuses [2^32, 2^32, 0]
         if i < len(req.raw_input_contents):
             raw = req.raw_input_contents[i]
             width = np.dtype(_NP_IN[t.datatype]).itemsize

@@ -80,13 +80,21 @@ REFUSED = [
 
 
 def test_a_tensor_of_many_empty_rows_is_refused_before_any_row_is_built(llama_server):
-    """[2^32, 0] input_ids hold no bytes but 2^32 rows (found by the 10,000-case fuzz: a MemoryError, INTERNAL)."""
-    req = _ids_input(kpb.ModelInferRequest(model_name=""), "input_ids", "INT32", [1 << 32, 0], b"")
+    """[2^31, 0] input_ids hold no bytes but 2^31 rows (the 10,000-case fuzz found [2^32, 0]: a MemoryError, then
+    INTERNAL), and dimensions numpy cannot hold together are refused too."""
+    req = _ids_input(kpb.ModelInferRequest(model_name=""), "input_ids", "INT32", [1 << 31, 0], b"")
     with grpc.insecure_channel(llama_server.address) as ch:
         with pytest.raises(grpc.RpcError) as e:
             kpb_grpc.GRPCInferenceServiceStub(ch).ModelInfer(req, timeout=30)
     assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, e.value.details()
     assert "--max-sequences-per-request" in e.value.details()
+    for name, shape in (("input_ids", [1 << 32, 1 << 32, 0]), ("candidate_ids", [1, 1 << 32, 1 << 32, 0])):
+        req = _request(SEQS[:1], ["candidate_logprobs"]) if name == "candidate_ids" else kpb.ModelInferRequest()
+        req = _ids_input(req, name, "INT32", shape, b"")         # no bytes, but dims numpy cannot hold together
+        with grpc.insecure_channel(llama_server.address) as ch:
+            with pytest.raises(grpc.RpcError) as e:
+                kpb_grpc.GRPCInferenceServiceStub(ch).ModelInfer(req, timeout=30)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and f"inputs[{name}].shape" in e.value.details()
 
 
 def _output_k(req, value):
