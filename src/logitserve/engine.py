@@ -184,9 +184,7 @@ class Engine:
         live = [(j, i, s) for j, job in enumerate(jobs) if run.live(j) for i, s in enumerate(job.sequences)]
         if self.config.min_shared_prefix:
             V = self.shard.vocab_size
-            wanted = [Wanted(j, i, s, len(s) - 1 if jobs[j].scores else
-                             (jobs[j].head_rows(i, V)[0] if jobs[j].head_rows(i, V)[1] > 0 else len(s)))
-                      for j, i, s in live]
+            wanted = [Wanted(j, i, s, jobs[j].first_read(i, V)) for j, i, s in live]
             groups, alone = find_groups(wanted, self.config.min_shared_prefix)
             if groups:
                 return plan_shared_packs(groups, alone, self.pack_tokens)

@@ -114,6 +114,15 @@ class Job:
             return 0, 0
         return min(a for a, _ in ranges), max(b for _, b in ranges)
 
+    def first_read(self, i: int, vocab: int) -> int:
+        """The first row of sequence i any output reads (L - 1 for a score, L when none is read): rows before it
+        may come from a shared prefix (logitserve.prefix)."""
+        L = len(self.sequences[i])
+        if self.scores:
+            return L - 1
+        a, b = self.head_rows(i, vocab)
+        return a if b > a else L
+
 
 @dataclass(frozen=True)
 class ModelLimits:
