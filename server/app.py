@@ -19,6 +19,7 @@ from grpc_reflection.v1alpha import reflection_pb2_grpc as reflection_grpc
 from grpc_reflection.v1alpha._async import ReflectionServicer
 
 import logitserve
+from logitserve.cost import cost_of
 from logitserve.engine import Batching, Engine, EngineConfig
 from logitserve.layout import Layout, single_process
 from logitserve.loading import LoadedModel, content_hash, load_model
@@ -30,6 +31,7 @@ from . import codec
 from .scheduler import Scheduler, SchedulerConfig, engine_batch_runner
 from .kserve import KServeServicer
 from .gate import SERVICE_NAME, Gate, Listening, PortInUse, check_port_free, open_port  # noqa: F401 (re-exported)
+from .admission import ClientLimits
 from .metrics import Metrics
 from .security import SecurityConfig
 from .servicer import STREAM_WINDOW, LogitServeServicer, StreamLimits
@@ -67,6 +69,7 @@ class ServerConfig:
     metrics_port: Optional[int] = None  # Prometheus /metrics over HTTP on this port (0: a free one); None: off
     metrics_host: str = "127.0.0.1"     # /metrics has no auth: loopback unless --metrics-host says otherwise
     limits: StreamLimits = field(default_factory=StreamLimits)
+    clients: ClientLimits = field(default_factory=ClientLimits)     # per-client shares (server/admission.py)
     keepalive_s: float = 60.0           # pings on idle connections; a peer silent for keepalive_timeout_s is dropped
     keepalive_timeout_s: float = 20.0
     max_connection_idle_s: float = 3600.0   # a connection with no RPC for this long is closed (GOAWAY)
@@ -163,7 +166,7 @@ def memory_estimator(loaded: LoadedModel, config: ServerConfig, vocab_local: int
     window = STREAM_WINDOW * config.max_message_bytes   # encoded messages a stream may hold
 
     def estimate(job: Job) -> int:   # pack_tokens: a packed body's tokens (Engine.pack_tokens), 0 in exact mode
-        return estimate_peak_bytes(job, dims, config.engine.chunk_size, config.scheduler.max_pending, window,
+        return estimate_peak_bytes(job, dims, config.engine.chunk_size, 0, window,   # buffers: Scheduler.hold_of
                                    pack_tokens, config.engine.min_shared_prefix > 0)
 
     budget = config.scheduler.memory_budget_bytes
@@ -199,13 +202,16 @@ async def create_server(loaded: LoadedModel, config: ServerConfig, layout: Optio
     estimate = estimate or memory_estimator(loaded, config, loaded.vocab_size, pack_tokens=pack_tokens)
     listening = listening or await open_port(config)
     metrics = Metrics()
-    scheduler = Scheduler(run_batch, config.scheduler, estimate=estimate, idle=idle, metrics=metrics)
+    scheduler = Scheduler(run_batch, config.scheduler, estimate=estimate, idle=idle, metrics=metrics,
+                          cost=lambda job: cost_of(job, loaded.vocab_size, loaded.num_labels or 1))
     metrics.bind_scheduler(scheduler)
+    if listening.auth is not None:
+        listening.auth.on_failure = metrics.auth_failures.inc
     info = codec.encode_model_info(loaded, layout, config.max_message_bytes, logitserve.__version__, batching,
                                    config.engine.min_shared_prefix)
     gate = listening.gate
     servicer = LogitServeServicer(scheduler, info, loaded.limits, config.max_message_bytes, loaded.text, metrics,
-                                  config.limits)
+                                  config.limits, config.clients)
     add_native(servicer, gate)
     kpb_grpc.add_GRPCInferenceServiceServicer_to_server(
         KServeServicer(scheduler, loaded, logitserve.__version__, servicer, metrics), gate)
@@ -289,6 +295,11 @@ def serve_rank(model: ModelConfig, config: ServerConfig, parallel: ParallelConfi
     from logitserve.distributed import follow
     from logitserve.parallel import init_parallel
 
+    if not config.scheduler.stall_timeout_s < parallel.collective_timeout_s:
+        raise ValueError(f"stall_timeout_s {config.scheduler.stall_timeout_s:g} must be below the collective timeout "
+                         f"{parallel.collective_timeout_s:g}: the other ranks wait in a collective meanwhile")
+    if model.path is None:   # every rank builds the demo before init: transformers then saves on rank 0 only
+        _source(model)
     ctx = init_parallel(parallel)
     try:
         if ctx.is_root:

@@ -39,7 +39,26 @@ def _serve_parser(sub) -> None:
                    help="tokens waiting or running; past it RESOURCE_EXHAUSTED")
     p.add_argument("--memory-budget", type=_size, default=None,
                    help="refuse requests whose estimated peak is over this, e.g. 2GiB (default: no limit)")
-    p.add_argument("--stall-timeout", type=float, default=60.0, help="drop a request whose stream reads nothing this long")
+    p.add_argument("--stall-timeout", type=float, default=30.0,
+                   help="longest the compute thread waits on one slow reader, and only while no other request waits "
+                        "(default 30; below --collective-timeout)")
+    p.add_argument("--max-buffered-bytes", type=_size, default=256 << 20, metavar="SIZE",
+                   help="per request: computed outputs its stream has not read yet (default 256MiB, reserved in "
+                        "--memory-budget); a reader that lets it fill while others wait loses its request")
+    p.add_argument("--max-text-bytes", type=_size, default=1 << 20, metavar="SIZE",
+                   help="UTF-8 bytes of one request's texts, checked before tokenizing (default 1MiB)")
+    p.add_argument("--max-request-bytes", type=_size, default=64 << 20, metavar="SIZE",
+                   help="largest request message received (default 64MiB); lower it for untrusted clients")
+    p.add_argument("--max-response-bytes", type=_size, default=1 << 30, metavar="SIZE",
+                   help="bytes of one request's outputs, checked before it runs (default 1GiB)")
+    p.add_argument("--max-queued-tokens-per-client", type=int, default=None, metavar="N",
+                   help="one client's share of --max-queued-tokens (default: half of it)")
+    p.add_argument("--max-streams-per-client", type=int, default=128, metavar="N",
+                   help="Forward streams one client (bearer token, or peer host without auth) holds open (default 128)")
+    p.add_argument("--max-in-flight-per-client", type=int, default=1024, metavar="N",
+                   help="requests in flight for one client, all streams and KServe together (default 1024)")
+    p.add_argument("--stream-idle-s", type=float, default=300.0, metavar="S",
+                   help="close a Forward stream with no request in flight for this long (default 300)")
     p.add_argument("--no-overlap", action="store_true", help="send each piece before computing the next (for measuring)")
     p.add_argument("--no-malloc-tuning", action="store_true",
                    help="keep glibc's malloc defaults (by default: one arena, no trimming; see logitserve.hostmem)")
@@ -159,11 +178,17 @@ def _cmd_serve(args, argv: list[str]) -> int:
     from .app import ModelConfig, PortInUse, ServerConfig, check_port_free, serve, serve_rank
     from .scheduler import SchedulerConfig
     from .security import SecurityConfig
+    from .admission import ClientLimits
     from .servicer import StreamLimits
     from .launch import spawn_local, under_torchrun
 
     parallel = ParallelConfig(tp=args.tp, cp=args.cp, collective_timeout_s=args.collective_timeout,
                               device=args.device)
+    if parallel.world_size > 1 and not args.stall_timeout < args.collective_timeout:
+        print(f"logitserve: --stall-timeout {args.stall_timeout:g} must be below --collective-timeout "
+              f"{args.collective_timeout:g}: the other ranks wait in a collective while rank 0 waits on a slow "
+              f"reader", file=sys.stderr)
+        return 2
     if not under_torchrun():
         try:
             check_port_free(args.host, args.port)   # one line now, before ranks start or gRPC logs its own
@@ -184,8 +209,11 @@ def _cmd_serve(args, argv: list[str]) -> int:
                         max_seq_len=args.max_seq_len)
     scheduler = SchedulerConfig(max_batch_tokens=args.max_batch_tokens, batch_delay_s=args.batch_delay_ms / 1e3,
                                 max_queued_tokens=args.max_queued_tokens, memory_budget_bytes=args.memory_budget,
-                                stall_timeout_s=args.stall_timeout, overlap=not args.no_overlap)
+                                stall_timeout_s=args.stall_timeout, overlap=not args.no_overlap,
+                                max_buffered_bytes=args.max_buffered_bytes,
+                                max_queued_tokens_per_client=args.max_queued_tokens_per_client)
     config = ServerConfig(host=args.host, port=args.port, max_message_bytes=args.max_message_bytes,
+                          max_request_bytes=args.max_request_bytes,
                           engine=EngineConfig(chunk_size=args.logprob_chunk_size, batching=Batching(args.batching),
                                               max_pack_tokens=args.max_batch_tokens,
                                               min_shared_prefix=args.min_shared_prefix), scheduler=scheduler,
@@ -194,7 +222,10 @@ def _cmd_serve(args, argv: list[str]) -> int:
                           metrics_host=args.metrics_host,
                           grace_s=args.grace_s, keepalive_s=args.keepalive_s,
                           limits=StreamLimits(args.max_sequences_per_request, args.max_request_tokens,
-                                              args.max_streams, args.max_in_flight_per_stream))
+                                              args.max_streams, args.max_in_flight_per_stream, args.max_text_bytes,
+                                              args.max_response_bytes),
+                          clients=ClientLimits(args.max_streams_per_client, args.max_in_flight_per_client,
+                                               args.stream_idle_s))
     if under_torchrun():
         code = serve_rank(model, config, parallel)
         # The rank is done and its process groups destroyed; the interpreter's own teardown can still

@@ -86,6 +86,7 @@ class Listening:
     port: int
     gate: Gate
     health: health_aio.HealthServicer
+    auth: Optional[TokenAuth] = None     # bearer-token checks, when --auth-token-file is set
 
     async def close(self) -> None:
         await self.server.stop(0)
@@ -112,6 +113,7 @@ def _bind(server: grpc.aio.Server, config) -> int:
 async def open_port(config) -> Listening:
     """Start the gRPC server on the configured port before anything is loaded (see server/gate.py)."""
     sec = config.security
+    auth = TokenAuth(load_tokens(sec.auth_token_file)) if sec.auth_token_file else None
     server = grpc.aio.server(options=[
         ("grpc.max_receive_message_length", config.max_request_bytes),
         ("grpc.max_send_message_length", config.max_message_bytes),
@@ -121,7 +123,7 @@ async def open_port(config) -> Listening:
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.max_connection_idle_ms", int(config.max_connection_idle_s * 1000)),
         ("grpc.so_reuseport", 0),          # gRPC's default is on: two servers would share the port silently
-    ], interceptors=[TokenAuth(load_tokens(sec.auth_token_file))] if sec.auth_token_file else None)
+    ], interceptors=[auth] if auth else None)
     gate = Gate()
     server.add_generic_rpc_handlers((gate,))
     health_servicer = health_aio.HealthServicer()
@@ -130,7 +132,7 @@ async def open_port(config) -> Listening:
         await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
     port = _bind(server, config)
     await server.start()
-    return Listening(server, port, gate, health_servicer)
+    return Listening(server, port, gate, health_servicer, auth)
 
 def check_port_free(host: str, port: int) -> None:
     """PortInUse unless host:port can be bound now (before starting rank processes that would bind it)."""

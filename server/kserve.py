@@ -32,6 +32,7 @@ from logitserve.spec import Job, LogprobsOpts, ModelKind, OutputKind, SliceOpts,
 from logitserve.validate import validate_job
 
 from . import codec
+from .admission import client_of
 from .metrics import account
 from .params import Param, ParamTable
 from .servicer import ENDED_BY_SHUTDOWN, SHUTTING_DOWN
@@ -189,6 +190,25 @@ def decode(req: kpb.ModelInferRequest, kind: ModelKind, max_sequences: int = 409
     return job, names, p
 
 
+def dense_bytes(job: Job, names: list[str], vocab: int, num_labels: int) -> int:
+    """Bytes of the zero-padded [B, ...] answer: every output at its longest sequence's size."""
+    B = len(job.sequences)
+    rows = max((max(0, b - a) for a, b in (job.token_rows(i) for i in range(B))), default=0)
+    per_row = {"token_logprobs": 4, "topk_tail": 4}
+    if job.topk is not None:
+        per_row["topk_values"] = job.topk.k * {WireDType.FP32: 4}.get(job.topk.dtype, 2)
+        per_row["topk_ids"] = job.topk.k * 4
+    if job.candidates is not None:
+        per_row["candidate_logprobs"] = max((c.shape[1] for c in job.candidates), default=0) * 4
+    total = sum(B * rows * per_row.get(n, 0) for n in names)
+    if job.full_logits is not None and "full_logits" in names:
+        bounds = [job.full_logits.bounds(len(s), vocab) for s in job.sequences]
+        total += B * max(max(0, s1 - s0) for s0, s1, _, _ in bounds) * max(max(0, v1 - v0) for _, _, v0, v1 in bounds) * 4
+    if "scores" in names:
+        total += B * max(num_labels, 1) * 4
+    return total
+
+
 class _Dense:
     """Pieces written into one zero-padded [B, ...] array per output."""
 
@@ -302,13 +322,13 @@ class KServeServicer(kpb_grpc.GRPCInferenceServiceServicer):
                                                        reason="" if self._ready() else "draining")
         return kpb.RepositoryIndexResponse(models=[] if request.ready and not self._ready() else [entry])
 
-    async def _infer(self, request: kpb.ModelInferRequest):
+    async def _infer(self, request: kpb.ModelInferRequest, client: str):
         """(response, None), or (None, (code, message)) for a failed request; its access-log line and metrics
         either way. Counted in flight with the native requests: drained for --grace-s on shutdown, then ended
         UNAVAILABLE. Other cancellation propagates."""
         started, job, status = time.monotonic(), None, grpc.StatusCode.OK
         try:
-            with self._native.tracking():
+            with self._native.tracking(client):
                 if not self._ready():
                     raise Unavailable(SHUTTING_DOWN)
                 too_long = codec.request_id_error(request.id)
@@ -321,7 +341,16 @@ class KServeServicer(kpb_grpc.GRPCInferenceServiceServicer):
                 timeout = timeout_of(params)
                 self._native.check_size(job)
                 validate_job(job, self._loaded.limits)
-                return await self._answer(request, job, names, timeout), None
+                size = dense_bytes(job, names, self._loaded.vocab_size, self._loaded.num_labels)
+                limit = self._native.max_message_bytes - (64 << 10)     # headroom for names, shapes, framing
+                if size > limit:
+                    raise OverLimit(f"outputs: the answer would be {size / 2**20:.1f} MiB, over the largest message "
+                                    f"this server sends (--max-message-bytes {self._native.max_message_bytes}, "
+                                    f"less 64 KiB for framing); ask for fewer sequences or a smaller slice per "
+                                    f"request, or use the streaming API (logitserve.v1.LogitServe/Forward), "
+                                    f"which chunks any answer")
+                self._native.check_cost(job)
+                return await self._answer(request, job, names, timeout, client, 2 * size), None
         except asyncio.CancelledError:
             status = grpc.StatusCode.CANCELLED
             if self._native.ending:             # the grace period is over: say so
@@ -338,10 +367,11 @@ class KServeServicer(kpb_grpc.GRPCInferenceServiceServicer):
                     time.monotonic() - started)
 
     async def _answer(self, request: kpb.ModelInferRequest, job: Job, names: list[str],
-                      timeout: Optional[float]) -> kpb.ModelInferResponse:
+                      timeout: Optional[float], client: str, hold: int) -> kpb.ModelInferResponse:
+        """`hold`: the dense arrays and their serialized copy, reserved in the memory budget with the job."""
         dense = _Dense(len(job.sequences))
         async with asyncio.timeout(timeout):
-            async for piece in self._scheduler.stream(job):
+            async for piece in self._scheduler.stream(job, client, hold):
                 if isinstance(piece, SharedTokens):
                     self._native.count_shared(piece.tokens)
                     continue
@@ -357,13 +387,14 @@ class KServeServicer(kpb_grpc.GRPCInferenceServiceServicer):
         return resp
 
     async def ModelInfer(self, request, context):
-        resp, failure = await self._infer(request)
+        resp, failure = await self._infer(request, client_of(context))
         if failure is not None:
             await context.abort(*failure)
         return resp
 
     async def ModelStreamInfer(self, request_iterator, context):
+        client = client_of(context)
         async for request in request_iterator:
-            resp, failure = await self._infer(request)
+            resp, failure = await self._infer(request, client)
             yield kpb.ModelStreamInferResponse(infer_response=resp) if failure is None else \
                 kpb.ModelStreamInferResponse(error_message=f"{failure[0].name}: {failure[1]}")

@@ -75,6 +75,10 @@ class Metrics:
         self.shared_prefix_tokens = Counter("logitserve_shared_prefix_tokens",
                                             "Prompt tokens computed once for a group instead of once per sequence",
                                             registry=r)
+        self.auth_failures = Counter("logitserve_auth_failures", "Calls refused for a missing or wrong bearer token",
+                                     registry=r)
+        self.held_bytes = Gauge("logitserve_held_bytes", "Bytes reserved in the memory budget by requests in flight "
+                                "(their inputs and output buffers)", registry=r)
         self.queue_requests = Gauge("logitserve_queue_requests", "Requests waiting for a batch", registry=r)
         self.queued_tokens = Gauge("logitserve_queued_tokens", "Tokens waiting or running", registry=r)
         self.batch_requests = Histogram("logitserve_batch_requests", "Requests per batch", registry=r,
@@ -116,6 +120,7 @@ class Metrics:
     def bind_scheduler(self, scheduler) -> None:
         self.queue_requests.set_function(scheduler.queue_length)
         self.queued_tokens.set_function(scheduler.queued_tokens)
+        self.held_bytes.set_function(scheduler.held_bytes)
 
     def serve(self, port: int, host: str = "127.0.0.1") -> Optional[object]:
         """Expose /metrics over HTTP on `port` (0: a free one); returns the http server."""

@@ -1,169 +1,228 @@
-"""Queues jobs from every stream, runs them in token-budgeted batches on one compute thread, streams pieces back.
+"""Queues jobs from every client, runs them in token-budgeted batches on one compute thread, hands pieces back.
 
-- Admission: a job is refused (RESOURCE_EXHAUSTED) when the queue would hold more than
-  `max_queued_tokens`, or when its estimated peak memory is over `memory_budget_bytes`.
-- Batching: the first queued job opens a batch; jobs arriving within `batch_delay_s`
-  join while the batch stays under `max_batch_tokens`. A batch is one broadcast to the
-  ranks and, in packed mode, one packed body (see logitserve.engine for the modes).
-- Backpressure: a job holds at most `max_pending` pieces not yet taken by its stream; a
-  client that reads nothing for `stall_timeout_s` loses the request, not the server.
-- Cancellation: a cancelled or timed-out job is skipped if queued and stopped at its next
-  piece if running; its pieces are dropped.
-- Overlap: with `overlap`, the compute thread goes on as soon as a piece is handed over,
-  so serializing and sending it runs beside the next chunk's compute.
+- Admission, before any work: a job is refused (RESOURCE_EXHAUSTED) when the queue would hold more
+  than `max_queued_tokens` work tokens (tokens weighted by the head's extra work, logitserve.cost),
+  or its client more than its share; when its estimated peak memory alone is over `memory_budget_bytes`;
+  or when the bytes held by admitted requests (their inputs and their output buffers) and its own
+  would be. Every refusal names the bound.
+- Fairness: each client (server.admission.client_of) has its own queue; batches take the clients'
+  oldest jobs in turn, so one client's hundred queued requests do not put another's one behind them.
+- Batching: the first job taken opens a batch; jobs arriving within `batch_delay_s` join while the
+  batch stays under `max_batch_tokens`. A batch is one broadcast to the ranks and, in packed mode,
+  one packed body (see logitserve.engine for the modes).
+- The compute thread never waits on a client that holds anyone up: finished pieces go to the job's
+  buffer (at most `max_buffered_bytes`, reserved in the memory budget). A job whose buffer is full
+  waits for its reader only while no other job waits (at most `stall_timeout_s`, kept below the
+  ranks' collective timeout); otherwise it ends with RESOURCE_EXHAUSTED naming the bound, its
+  buffer freed, and everyone else goes on.
+- Cancellation: a cancelled or timed-out job is skipped if queued and stopped at its next piece if
+  running; its pieces are dropped.
 """
 from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import threading
 import time
 from dataclasses import dataclass
 from typing import AsyncIterator, Callable, Iterator, Optional
 
+from logitserve.cost import Cost
 from logitserve.engine import Piece, SharedTokens
 from logitserve.errors import OverLimit
 from logitserve.spec import Job
 
+from .admission import UNKNOWN
+from .ticket import DONE, Failed, Gone, Ticket
+
 # (jobs, skip) -> (job index, Piece, or the exception that ends that job alone)
 BatchRun = Callable[[list, Callable[[int], bool]], Iterator[tuple[int, object]]]
+_MiB = 2 ** 20
 
 
 @dataclass(frozen=True)
 class SchedulerConfig:
     max_batch_tokens: int = 16384        # tokens per batch (--max-batch-tokens)
     batch_delay_s: float = 0.002         # wait this long after the first job for others to join
-    max_queued_tokens: int = 1 << 20     # tokens waiting or running (--max-queued-tokens)
-    memory_budget_bytes: Optional[int] = None   # refuse jobs whose peak estimate is over this
-    max_pending: int = 2                 # pieces a job may have computed but not yet handed to gRPC
-    stall_timeout_s: float = 60.0        # a stream that takes no piece for this long loses its request
+    max_queued_tokens: int = 1 << 20     # work tokens waiting or running (--max-queued-tokens)
+    max_queued_tokens_per_client: Optional[int] = None   # one client's share (--max-queued-tokens-per-client; half)
+    memory_budget_bytes: Optional[int] = None   # bound on peak estimate + bytes held by admitted requests
+    max_buffered_bytes: int = 256 << 20  # per request: computed outputs its stream has not taken (--max-buffered-bytes)
+    stall_timeout_s: float = 30.0        # longest the compute thread waits on one reader, when no one else waits
     overlap: bool = True                 # compute the next chunk while the last one is being sent
     idle_s: float = 2.0                  # with an idle callback: call it after this long without work
 
     def __post_init__(self):
-        if self.max_batch_tokens < 1 or self.max_queued_tokens < 1 or self.max_pending < 1:
-            raise ValueError(f"max_batch_tokens, max_queued_tokens and max_pending must be >= 1: {self}")
+        if self.max_batch_tokens < 1 or self.max_queued_tokens < 1 or self.max_buffered_bytes < 1:
+            raise ValueError(f"max_batch_tokens, max_queued_tokens and max_buffered_bytes must be >= 1: {self}")
 
+    @property
+    def client_queued_tokens(self) -> int:
+        return self.max_queued_tokens_per_client or max(1, self.max_queued_tokens // 2)
 
-class _Failed:
-    def __init__(self, error: BaseException):
-        self.error = error
-
-
-_DONE = object()
-
-
-class _Gone(Exception):
-    """The job's consumer is gone (cancelled, timed out, stalled)."""
-
-
-class _Ticket:
-    """One job's place in the queue and its channel back to the event loop."""
-
-    def __init__(self, job: Job, loop: asyncio.AbstractEventLoop, max_pending: int, overlap: bool):
-        self.job = job
-        self.tokens = job.num_tokens
-        self.loop = loop
-        self.results: asyncio.Queue = asyncio.Queue()
-        self.credits = threading.Semaphore(max_pending if overlap else 1)
-        self.cancelled = threading.Event()
-        self.admitted = time.monotonic()
-
-    def cancel(self) -> None:
-        self.cancelled.set()
-        self.credits.release()   # wake a sender blocked on credits now, not at its next poll
-
-    def send(self, item, stall_timeout_s: float) -> None:
-        deadline = time.monotonic() + stall_timeout_s
-        while not self.credits.acquire(timeout=0.1):
-            if self.cancelled.is_set():
-                raise _Gone()
-            if time.monotonic() > deadline:
-                self.cancelled.set()
-                self.loop.call_soon_threadsafe(self.results.put_nowait, _Failed(OverLimit(
-                    f"the stream took no result for stall_timeout_s={stall_timeout_s:g}; request dropped")))
-                raise _Gone()
-        if self.cancelled.is_set():   # woken by cancel(), not by a consumer
-            raise _Gone()
-        try:
-            self.loop.call_soon_threadsafe(self.results.put_nowait, item)
-        except RuntimeError as e:   # the event loop is gone: the server is stopping
-            raise _Gone() from e
+    @property
+    def client_budget_bytes(self) -> Optional[int]:
+        """One client's share of the bytes admitted requests hold: half the budget."""
+        return None if self.memory_budget_bytes is None else self.memory_budget_bytes // 2
 
 
 class Scheduler:
     def __init__(self, run_batch: BatchRun, config: SchedulerConfig = SchedulerConfig(),
                  estimate: Optional[Callable[[Job], int]] = None, idle: Optional[Callable[[], None]] = None,
-                 metrics=None):
+                 metrics=None, cost: Optional[Callable[[Job], Cost]] = None):
         self._run_batch = run_batch
         self._metrics = metrics      # server.metrics.Metrics, or None
         self.config = config
         self._estimate = estimate
+        self._cost = cost
         self._idle = idle
-        self._queue: collections.deque[_Ticket] = collections.deque()
+        self._queues: collections.OrderedDict[str, collections.deque[Ticket]] = collections.OrderedDict()
         self._cond = threading.Condition()
-        self._queued_tokens = 0      # waiting or running
+        self._queued_tokens = 0      # work tokens waiting or running
+        self._client_tokens: dict[str, int] = {}
+        self._held = 0               # bytes reserved by requests admitted and not yet ended
+        self._client_held: dict[str, int] = {}
         self._stopping = False
         self.batches_run = 0
         self._thread = threading.Thread(target=self._loop, name="logitserve-compute", daemon=True)
         self._thread.start()
 
     # -- event-loop side --------------------------------------------------------
-    def admit(self, job: Job) -> _Ticket:
+    def cost(self, job: Job) -> Optional[Cost]:
+        return self._cost(job) if self._cost is not None else None
+
+    def hold_of(self, job: Job, extra: int = 0) -> int:
+        """Bytes a request holds until it ends: its arrays (decoded and as received), its output buffer."""
+        cost = self.cost(job)
+        if cost is None:
+            return extra
+        return 2 * cost.input_bytes + min(cost.output_bytes, self.config.max_buffered_bytes) + extra
+
+    def _check_budget(self, client: str, hold: int, peak: int) -> None:
         c = self.config
-        if c.memory_budget_bytes is not None and self._estimate is not None:
-            need = self._estimate(job)
-            if need > c.memory_budget_bytes:
-                raise OverLimit(f"request needs ~{need / 2**20:.0f} MiB at peak (longest sequence "
-                                f"{max(len(s) for s in job.sequences)} tokens), over --memory-budget "
-                                f"{c.memory_budget_bytes / 2**20:.0f} MiB")
+        if c.memory_budget_bytes is None:
+            return
+        if self._held + hold + peak > c.memory_budget_bytes:
+            raise OverLimit(f"memory: {self._held / _MiB:.0f} MiB held by requests in flight + {hold / _MiB:.0f} "
+                            f"MiB for this one (+{peak / _MiB:.0f} MiB at its peak) is over --memory-budget "
+                            f"{c.memory_budget_bytes / _MiB:.0f} MiB; retry later")
+        mine = self._client_held.get(client, 0)
+        if mine + hold > c.client_budget_bytes:
+            raise OverLimit(f"memory: this client ({client}) holds {mine / _MiB:.0f} MiB in requests in flight; "
+                            f"+{hold / _MiB:.0f} MiB is over its share, half of --memory-budget "
+                            f"({c.client_budget_bytes / _MiB:.0f} MiB); read or end some first")
+
+    def _add_hold(self, client: str, nbytes: int) -> None:
+        self._held += nbytes
+        self._client_held[client] = self._client_held.get(client, 0) + nbytes
+
+    def _drop_hold(self, client: str, nbytes: int) -> None:
         with self._cond:
-            if self._queued_tokens + job.num_tokens > c.max_queued_tokens:
-                raise OverLimit(f"queue full: {self._queued_tokens} tokens queued + {job.num_tokens} in this "
-                                f"request > --max-queued-tokens {c.max_queued_tokens}; retry later")
-            ticket = _Ticket(job, asyncio.get_running_loop(), c.max_pending, c.overlap)
-            self._queued_tokens += ticket.tokens
-            self._queue.append(ticket)
+            self._held -= nbytes
+            _decrease(self._client_held, client, nbytes)
+
+    @contextlib.contextmanager
+    def holding(self, client: str, nbytes: int, what: str):
+        """Reserve `nbytes` in the memory budget for work done before a job exists (tokenizing a text)."""
+        c = self.config
+        if c.memory_budget_bytes is not None and nbytes > c.client_budget_bytes:
+            raise OverLimit(f"{what} needs ~{nbytes / _MiB:.0f} MiB, over half of --memory-budget "
+                            f"({c.client_budget_bytes / _MiB:.0f} MiB)")
+        with self._cond:
+            self._check_budget(client, nbytes, 0)
+            self._add_hold(client, nbytes)
+        try:
+            yield
+        finally:
+            self._drop_hold(client, nbytes)
+
+    def admit(self, job: Job, client: str = UNKNOWN, extra_hold: int = 0) -> Ticket:
+        c = self.config
+        peak = 0
+        if c.memory_budget_bytes is not None and self._estimate is not None:
+            peak = self._estimate(job)
+            if peak > c.memory_budget_bytes:
+                raise OverLimit(f"request needs ~{peak / _MiB:.0f} MiB at peak (longest sequence "
+                                f"{max(len(s) for s in job.sequences)} tokens), over --memory-budget "
+                                f"{c.memory_budget_bytes / _MiB:.0f} MiB")
+        cost = self.cost(job)
+        work = cost.work_tokens if cost is not None else job.num_tokens
+        hold = self.hold_of(job, extra_hold)
+        if c.memory_budget_bytes is not None and hold + peak > c.memory_budget_bytes:
+            raise OverLimit(f"memory: this request needs ~{hold / _MiB:.0f} MiB held (its arrays and an output buffer "
+                            f"of up to --max-buffered-bytes) + ~{peak / _MiB:.0f} MiB at its peak, over --memory-budget "
+                            f"{c.memory_budget_bytes / _MiB:.0f} MiB even alone; send less per request")
+        with self._cond:
+            if self._queued_tokens + work > c.max_queued_tokens:
+                raise OverLimit(f"queue full: {self._queued_tokens} tokens queued + {work} in this request > "
+                                f"--max-queued-tokens {c.max_queued_tokens} (tokens weighted by filters and "
+                                f"top-k work); retry later")
+            mine = self._client_tokens.get(client, 0)
+            if mine + work > c.client_queued_tokens:
+                raise OverLimit(f"queue: this client ({client}) has {mine} tokens queued + {work} in this request "
+                                f"> --max-queued-tokens-per-client {c.client_queued_tokens}; retry later")
+            self._check_budget(client, hold, peak)
+            bound = c.max_buffered_bytes if c.overlap else 0
+            ticket = Ticket(job, client, work, hold, asyncio.get_running_loop(), bound)
+            self._queued_tokens += work
+            self._client_tokens[client] = mine + work
+            self._add_hold(client, hold)
+            self._queues.setdefault(client, collections.deque()).append(ticket)
             self._cond.notify()
         return ticket
 
-    async def stream(self, job: Job) -> AsyncIterator[Piece]:
-        """Admit the job (or raise OverLimit) and yield its pieces as they are computed."""
-        ticket = self.admit(job)
+    async def stream(self, job: Job, client: str = UNKNOWN, extra_hold: int = 0) -> AsyncIterator[Piece]:
+        """Admit the job (or raise OverLimit) and yield its pieces as they are computed; `extra_hold`: bytes
+        the caller holds for it beyond its buffer (KServe's dense answer)."""
+        ticket = self.admit(job, client, extra_hold)
         try:
             while True:
-                item = await ticket.results.get()
-                if isinstance(item, _Failed):
-                    raise item.error
-                if item is _DONE:
-                    return
+                item, nbytes = await ticket.take()
                 if self.config.overlap:
-                    ticket.credits.release()
-                    yield item
-                else:   # hand the next piece over only once this one has gone out
-                    yield item
-                    ticket.credits.release()
+                    ticket.release(nbytes)
+                if isinstance(item, Failed):
+                    raise item.error
+                if item is DONE:
+                    return
+                yield item
+                if not self.config.overlap:   # hand the next piece over only once this one has gone out
+                    ticket.release(nbytes)
         finally:
             ticket.cancel()
             self._drop_if_queued(ticket)
+            self._drop_hold(ticket.client, ticket.hold)
 
-    def _drop_if_queued(self, ticket: _Ticket) -> None:
+    def _drop_if_queued(self, ticket: Ticket) -> None:
         """A job given up before it ran leaves the queue now, freeing its tokens for others."""
         with self._cond:
+            queue = self._queues.get(ticket.client)
             try:
-                self._queue.remove(ticket)
-            except ValueError:   # already taken into a batch: the batch accounts for it
+                queue.remove(ticket)
+            except (AttributeError, ValueError):   # already taken into a batch: the batch accounts for it
                 return
-            self._queued_tokens -= ticket.tokens
+            if not queue:
+                del self._queues[ticket.client]
+            self._release_work([ticket])
+
+    def _release_work(self, tickets: list[Ticket]) -> None:
+        for t in tickets:
+            self._queued_tokens -= t.work
+            _decrease(self._client_tokens, t.client, t.work)
 
     def queue_length(self) -> int:
         """Jobs waiting for a batch."""
         with self._cond:
-            return len(self._queue)
+            return sum(len(q) for q in self._queues.values())
 
     def queued_tokens(self) -> int:
         with self._cond:
             return self._queued_tokens
+
+    def held_bytes(self) -> int:
+        """Bytes reserved in the memory budget by requests in flight."""
+        with self._cond:
+            return self._held
 
     def shutdown(self) -> None:
         with self._cond:
@@ -176,10 +235,25 @@ class Scheduler:
         return not self._thread.is_alive()
 
     # -- compute thread -----------------------------------------------------------
-    def _next_batch(self) -> Optional[list[_Ticket]]:
+    def _peek(self) -> Optional[Ticket]:
+        """The next job in turn: the oldest of the client at the front of the rotation."""
+        for queue in self._queues.values():
+            return queue[0]
+        return None
+
+    def _pop(self) -> Ticket:
+        """Take the next job in turn; its client goes to the back of the rotation."""
+        client, queue = next(iter(self._queues.items()))
+        ticket = queue.popleft()
+        del self._queues[client]
+        if queue:
+            self._queues[client] = queue
+        return ticket
+
+    def _next_batch(self) -> Optional[list[Ticket]]:
         c = self.config
         with self._cond:
-            while not self._queue and not self._stopping:
+            while not self._queues and not self._stopping:
                 if not self._cond.wait(timeout=c.idle_s if self._idle else None) and self._idle:
                     self._cond.release()
                     try:
@@ -190,15 +264,16 @@ class Scheduler:
                         self._cond.acquire()
             if self._stopping:
                 return None
-            batch = [self._queue.popleft()]
+            batch = [self._pop()]
             tokens = batch[0].tokens
             deadline = time.monotonic() + c.batch_delay_s
             while True:
-                while self._queue and tokens + self._queue[0].tokens <= c.max_batch_tokens:
-                    tokens += self._queue[0].tokens
-                    batch.append(self._queue.popleft())
+                while (nxt := self._peek()) is not None and tokens + nxt.tokens <= c.max_batch_tokens:
+                    tokens += nxt.tokens
+                    batch.append(self._pop())
                 left = deadline - time.monotonic()
-                if left <= 0 or tokens >= c.max_batch_tokens or (self._queue and tokens + self._queue[0].tokens > c.max_batch_tokens):
+                nxt = self._peek()
+                if left <= 0 or tokens >= c.max_batch_tokens or (nxt is not None and tokens + nxt.tokens > c.max_batch_tokens):
                     break
                 self._cond.wait(timeout=left)
         return batch
@@ -209,9 +284,9 @@ class Scheduler:
                 self._run(batch)
             finally:
                 with self._cond:
-                    self._queued_tokens -= sum(t.tokens for t in batch)
+                    self._release_work(batch)
 
-    def _run(self, batch: list[_Ticket]) -> None:
+    def _run(self, batch: list[Ticket]) -> None:
         live = [not t.cancelled.is_set() for t in batch]
         if not any(live):
             return
@@ -221,29 +296,36 @@ class Scheduler:
         waits = [started - t.admitted for t, ok in zip(batch, live) if ok]
         if self._metrics is not None:
             self._metrics.batch_started(waits, sum(t.tokens for t, ok in zip(batch, live) if ok))
+
+        def alone(i: int) -> Callable[[], bool]:
+            """Whether job i may hold the compute thread: no other job of this batch or of the queue waits."""
+            if not self.config.overlap:    # the measuring mode waits on every reader
+                return lambda: True
+            return lambda: not self._queues and not any(ok for j, ok in enumerate(live) if j != i)
+
         pieces = self._run_batch([t.job for t in batch], lambda i: not live[i] or batch[i].cancelled.is_set())
         try:
             for i, item in pieces:
                 if not live[i]:
-                    if not any(live):    # every job gone (cancelled, stalled, shutting down): stop computing
+                    if not any(live):    # every job gone (cancelled, too slow, shutting down): stop computing
                         break
                     continue
                 if isinstance(item, BaseException):   # that job's own error: it alone fails
-                    item = _Failed(item)
+                    item = Failed(item)
                 try:
-                    batch[i].send(item, stall)
-                except _Gone:
+                    batch[i].put(item, alone(i), stall)
+                except Gone:
                     live[i] = False
                     continue
-                if isinstance(item, _Failed):
+                if isinstance(item, Failed):
                     live[i] = False
         except BaseException as e:   # the whole batch failed (a lost rank): every job hears why
             for i, t in enumerate(batch):
                 if live[i]:
                     live[i] = False
                     try:
-                        t.send(_Failed(e), stall)
-                    except _Gone:
+                        t.put(Failed(e), alone(i), stall)
+                    except Gone:
                         pass
         finally:
             pieces.close()
@@ -252,9 +334,17 @@ class Scheduler:
         for i, t in enumerate(batch):
             if live[i]:
                 try:
-                    t.send(_DONE, stall)
-                except _Gone:
+                    t.put(DONE, alone(i), stall)
+                except Gone:
                     pass
+
+
+def _decrease(counts: dict[str, int], key: str, n: int) -> None:
+    left = counts.get(key, 0) - n
+    if left > 0:
+        counts[key] = left
+    else:
+        counts.pop(key, None)
 
 
 def engine_batch_runner(batch_steps) -> BatchRun:

@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import hmac
+import logging
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -9,6 +11,8 @@ from typing import Optional
 import grpc
 
 HEALTH_PREFIX = "/grpc.health.v1.Health/"
+AUTH_LOG_EVERY_S = 10.0     # failed authentications: one log line per this many seconds, with the count since
+log = logging.getLogger("logitserve.security")
 
 
 @dataclass(frozen=True)
@@ -55,31 +59,43 @@ class TokenAuth(grpc.aio.ServerInterceptor):
 
     def __init__(self, tokens: tuple[bytes, ...]):
         self._tokens = tokens
+        self.failures = 0               # failed authentications since start-up
+        self.on_failure = None          # callable(), e.g. a Prometheus counter's inc (server.metrics)
+        self._unlogged = 0
+        self._logged_at = float("-inf")
 
     async def intercept_service(self, continuation, details: grpc.HandlerCallDetails):
-        handler = await continuation(details)
-        if handler is None or details.method.startswith(HEALTH_PREFIX):
-            return handler
+        if details.method.startswith(HEALTH_PREFIX):
+            return await continuation(details)
         value = dict(details.invocation_metadata or ()).get("authorization", "")
         scheme, _, token = value.partition(" ")
         if scheme.lower() != "bearer" or not token:
-            return _refusal(handler, grpc.StatusCode.UNAUTHENTICATED,
-                            "authorization: this server needs a bearer token (metadata 'authorization: Bearer <token>')")
+            return self._refuse(details, grpc.StatusCode.UNAUTHENTICATED,
+                                "authorization: this server needs a bearer token (metadata 'authorization: Bearer <token>')")
         if not _matches(token.strip().encode(), self._tokens):
-            return _refusal(handler, grpc.StatusCode.PERMISSION_DENIED, "authorization: the bearer token is not accepted")
-        return handler
+            return self._refuse(details, grpc.StatusCode.PERMISSION_DENIED,
+                                "authorization: the bearer token is not accepted")
+        return await continuation(details)
+
+    def _refuse(self, details: grpc.HandlerCallDetails, code: grpc.StatusCode, message: str) -> grpc.RpcMethodHandler:
+        """Count it, log it (at most once per AUTH_LOG_EVERY_S), and refuse before the body is read."""
+        self.failures += 1
+        self._unlogged += 1
+        if self.on_failure is not None:
+            self.on_failure()
+        now = time.monotonic()
+        if now - self._logged_at >= AUTH_LOG_EVERY_S:
+            log.warning("authentication failed: %s on %s (%d failure(s) since the last line of this kind)",
+                        code.name, details.method[:128], self._unlogged)
+            self._logged_at, self._unlogged = now, 0
+        return _refusal(code, message)
 
 
-def _refusal(handler: grpc.RpcMethodHandler, code: grpc.StatusCode, details: str) -> grpc.RpcMethodHandler:
-    """A handler of the same kind as `handler` that ends the call with `code`."""
-    async def refuse(request_or_iterator, context):
+def _refusal(code: grpc.StatusCode, details: str) -> grpc.RpcMethodHandler:
+    """A handler that ends the call with `code` before reading any request message: a request-streaming
+    handler is called as soon as the headers arrive (a unary one only after its whole body), and the
+    wire does not tell the two apart, so an unauthenticated 60 MB body is never received, nor parsed."""
+    async def refuse(request_iterator, context):
         await context.abort(code, details)
 
-    kw = dict(request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer)
-    if handler.request_streaming and handler.response_streaming:
-        return grpc.stream_stream_rpc_method_handler(refuse, **kw)
-    if handler.request_streaming:
-        return grpc.stream_unary_rpc_method_handler(refuse, **kw)
-    if handler.response_streaming:
-        return grpc.unary_stream_rpc_method_handler(refuse, **kw)
-    return grpc.unary_unary_rpc_method_handler(refuse, **kw)
+    return grpc.stream_unary_rpc_method_handler(refuse)

@@ -15,6 +15,7 @@ from logitserve.v1 import logitserve_pb2 as pb
 from logitserve.v1 import logitserve_pb2_grpc as pb_grpc
 
 from . import codec
+from .admission import ClientLimits, Clients, client_of
 from .metrics import account
 from .scheduler import Scheduler
 from .status import to_status
@@ -25,6 +26,9 @@ STREAM_WINDOW = 8
 SHUTTING_DOWN = "the server is shutting down; retry on another replica"
 ENDED_BY_SHUTDOWN = ("the server shut down before this request finished (its --grace-s ran out); "
                      "retry on another replica")
+# Peak bytes tokenizing holds per byte of text (fast tokenizers' offsets and encodings: ~100x measured on the demo
+# tokenizer, 4 MiB of text), reserved in the memory budget while a request's texts are tokenized.
+TOKENIZE_BYTES_PER_TEXT_BYTE = 128
 
 
 @dataclass(frozen=True)
@@ -35,6 +39,8 @@ class StreamLimits:
     max_request_tokens: int = 1 << 20    # tokens in one request (--max-request-tokens)
     max_streams: int = 256               # Forward streams open at once, server-wide (--max-streams)
     max_in_flight: int = 256             # requests in flight on one stream (--max-in-flight-per-stream)
+    max_text_bytes: int = 1 << 20        # UTF-8 bytes of one request's texts, checked before tokenizing (--max-text-bytes)
+    max_response_bytes: int = 1 << 30    # bytes of one request's outputs, checked before it runs (--max-response-bytes)
 
 
 def add_to(servicer: "LogitServeServicer", gate) -> None:
@@ -48,8 +54,10 @@ def add_to(servicer: "LogitServeServicer", gate) -> None:
 
 class LogitServeServicer(pb_grpc.LogitServeServicer):
     def __init__(self, scheduler: Scheduler, info: pb.ModelInfoResponse, limits, max_message_bytes: int,
-                 text=None, metrics=None, stream_limits: StreamLimits = StreamLimits()):
+                 text=None, metrics=None, stream_limits: StreamLimits = StreamLimits(),
+                 client_limits: ClientLimits = ClientLimits()):
         self._stream_limits = stream_limits
+        self.clients = Clients(client_limits)
         self._streams: set[asyncio.Queue] = set()     # each open stream's outbox
         self._requests: set[asyncio.Task] = set()     # every stream's requests in flight
         self._draining = False
@@ -93,19 +101,28 @@ class LogitServeServicer(pb_grpc.LogitServeServicer):
         return self._ending
 
     @property
+    def max_message_bytes(self) -> int:
+        return self._max_message_bytes
+
+    @property
     def max_sequences(self) -> int:
         """--max-sequences-per-request, for front-ends that must check it before building per-sequence state."""
         return self._stream_limits.max_sequences
 
     @contextlib.contextmanager
-    def tracking(self):
-        """The current task counts as a request in flight (KServe's calls: drained and ended like native ones)."""
+    def tracking(self, client: str):
+        """The current task counts as a request in flight of `client` (KServe's calls: drained, ended and
+        limited like native ones); OverLimit past the client's --max-in-flight-per-client."""
+        refusal = self.clients.start(client)
+        if refusal is not None:
+            raise OverLimit(refusal)
         task = asyncio.current_task()
         self._requests.add(task)
         try:
             yield
         finally:
             self._requests.discard(task)
+            self.clients.end(client)
 
     def end_in_flight(self) -> None:
         """Past the grace period: every request still running ends now with UNAVAILABLE (its stream then ends)."""
@@ -118,10 +135,22 @@ class LogitServeServicer(pb_grpc.LogitServeServicer):
                    (grpc.StatusCode.RESOURCE_EXHAUSTED, f"streams: {len(self._streams)} open, the server's "
                     f"--max-streams is {self._stream_limits.max_streams}; retry later or share a stream")
                    if len(self._streams) >= self._stream_limits.max_streams else None)
+        client = client_of(context)
+        if refusal is None:
+            mine = self.clients.open_stream(client)
+            refusal = None if mine is None else (grpc.StatusCode.RESOURCE_EXHAUSTED, mine)
         if refusal is not None:       # a generator RPC ends with a status this way (abort() here gives INTERNAL)
             context.set_code(refusal[0])
             context.set_details(refusal[1])
             return
+        try:
+            async with contextlib.aclosing(self._stream(request_iterator, context, client)) as items:
+                async for item in items:
+                    yield item
+        finally:
+            self.clients.close_stream(client)
+
+    async def _stream(self, request_iterator, context, client: str):
         out: asyncio.Queue = asyncio.Queue()
         window = asyncio.Semaphore(STREAM_WINDOW)
         in_flight: dict[str, asyncio.Task] = {}
@@ -132,13 +161,14 @@ class LogitServeServicer(pb_grpc.LogitServeServicer):
             await window.acquire()
             out.put_nowait(msg)
 
-        broken: list[str] = []      # why the request stream cannot be read on (an undecodable message)
+        broken: list[tuple] = []    # (code, why) the stream ends early: an undecodable message, idle too long
 
         async def read() -> None:
             async for req in request_iterator:
                 if isinstance(req, codec.Undecodable):   # framing is intact, but no request id to answer under
-                    broken.append(f"a ForwardRequest message of {req.size} bytes could not be decoded "
-                                  f"({req.error}); the stream ends after the requests already in flight")
+                    broken.append((grpc.StatusCode.INVALID_ARGUMENT, f"a ForwardRequest message of {req.size} bytes "
+                                   f"could not be decoded ({req.error}); the stream ends after the requests "
+                                   f"already in flight"))
                     return
                 rid = req.request_id
                 too_long = codec.request_id_error(rid)
@@ -158,23 +188,35 @@ class LogitServeServicer(pb_grpc.LogitServeServicer):
                     await emit(codec.encode_error(rid, code, message))
                     continue
                 refusal = self._refusal(len(in_flight))
+                mine = self.clients.start(client) if refusal is None else None
+                if mine is not None:
+                    refusal = grpc.StatusCode.RESOURCE_EXHAUSTED, mine
                 if refusal is not None:
                     await emit(codec.encode_error(rid, *refusal))
                     continue
-                task = asyncio.create_task(self._serve_one(req, emit, in_flight, cancel_requested))
+                task = asyncio.create_task(self._serve_one(req, emit, in_flight, cancel_requested, client))
                 in_flight[rid] = task
                 tasks.add(task)
                 self._requests.add(task)
-                task.add_done_callback(lambda t: (tasks.discard(t), self._requests.discard(t),
+                task.add_done_callback(lambda t: (tasks.discard(t), self._requests.discard(t), self.clients.end(client),
                                                   out.put_nowait(_FINISHED)))
 
         # Done-callbacks run after a task is done, so each _FINISHED sees the state it announces.
         reader = asyncio.create_task(read())
         reader.add_done_callback(lambda _: out.put_nowait(_FINISHED))
         self._streams.add(out)
+        idle_s = self.clients.limits.stream_idle_s
         try:
             while True:
-                item = await out.get()
+                if tasks or not out.empty():
+                    item = await out.get()
+                else:          # nothing in flight: the stream may sit idle this long, then it is closed
+                    try:
+                        item = await asyncio.wait_for(out.get(), idle_s)
+                    except TimeoutError:
+                        broken.append((grpc.StatusCode.UNAVAILABLE, f"stream idle: no request in flight for "
+                                       f"{idle_s:g} s (the server's --stream-idle-s); open a new stream"))
+                        break
                 if item is _FINISHED:
                     if (reader.done() or self._draining) and not tasks and out.empty():
                         break
@@ -182,8 +224,8 @@ class LogitServeServicer(pb_grpc.LogitServeServicer):
                 window.release()
                 yield item
             if broken:
-                context.set_code(grpc.StatusCode.INVALID_ARGUMENT)
-                context.set_details(broken[0])
+                context.set_code(broken[0][0])
+                context.set_details(broken[0][1])
         finally:
             self._streams.discard(out)
             reader.cancel()
@@ -209,15 +251,32 @@ class LogitServeServicer(pb_grpc.LogitServeServicer):
             raise OverLimit(f"sequences: {job.num_tokens} tokens in this request is over the server's "
                             f"--max-request-tokens {lim.max_request_tokens}")
 
-    async def _tokenize(self, req: pb.ForwardRequest) -> tuple:
+    def check_cost(self, job) -> None:
+        """OverLimit when a validated request's answer is over --max-response-bytes (before anything runs)."""
+        cost = self._scheduler.cost(job)
+        limit = self._stream_limits.max_response_bytes
+        if cost is not None and cost.output_bytes > limit:
+            raise OverLimit(f"outputs: this request's answer would be {cost.output_bytes / 2**20:.0f} MiB, over the "
+                            f"server's --max-response-bytes {limit / 2**20:.0f} MiB; ask for fewer sequences, a "
+                            f"smaller k or a smaller full-logits slice per request")
+
+    async def _tokenize(self, req: pb.ForwardRequest, client: str) -> tuple:
+        """The texts' ids; their size is checked and their tokenizing's memory reserved before it runs."""
         if req.sequences:
             raise InvalidRequest("texts", "set either sequences (token ids) or texts, not both")
         if self._text is None:
             raise NotSupported("texts", "this model directory ships no tokenizer; send token ids in sequences")
+        size = sum(len(t.encode()) for t in req.texts)
+        limit = self._stream_limits.max_text_bytes
+        if size > limit:
+            raise OverLimit(f"texts: {size} UTF-8 bytes in this request is over the server's --max-text-bytes "
+                            f"{limit}; send fewer or shorter texts per request, or token ids")
         special = req.add_special_tokens if req.HasField("add_special_tokens") else True
-        return await asyncio.to_thread(self._text.encode, req.texts, special)   # Rust tokenizers free the GIL
+        with self._scheduler.holding(client, size * TOKENIZE_BYTES_PER_TEXT_BYTE, f"tokenizing {size} bytes of text"):
+            return await asyncio.to_thread(self._text.encode, req.texts, special)   # Rust tokenizers free the GIL
 
-    async def _serve_one(self, req: pb.ForwardRequest, emit, in_flight: dict, cancel_requested: set) -> None:
+    async def _serve_one(self, req: pb.ForwardRequest, emit, in_flight: dict, cancel_requested: set,
+                         client: str) -> None:
         rid = req.request_id
         started, job, status = time.monotonic(), None, grpc.StatusCode.OK
         if self._metrics is not None:
@@ -227,7 +286,7 @@ class LogitServeServicer(pb_grpc.LogitServeServicer):
                 self._metrics.bytes_sent.inc(msg.ByteSize())
                 await plain(msg)
         try:
-            ids = await self._tokenize(req) if req.texts else None
+            ids = await self._tokenize(req, client) if req.texts else None
             job = codec.decode_job(req, ids)
             self.check_size(job)
             try:
@@ -237,6 +296,7 @@ class LogitServeServicer(pb_grpc.LogitServeServicer):
                     raise
                 raise InvalidRequest(e.field.replace("sequences", "texts", 1) + " (tokenized)",
                                      str(e).split(": ", 1)[1]) from None
+            self.check_cost(job)
             timeout = req.timeout_s if req.HasField("timeout_s") else None
             if timeout is not None and not timeout > 0:
                 raise InvalidRequest("timeout_s", f"{timeout} must be > 0")
@@ -247,7 +307,7 @@ class LogitServeServicer(pb_grpc.LogitServeServicer):
                     for msg in codec.encode_piece(rid, piece, self._max_message_bytes):
                         await emit(msg)
                         n += 1
-                async for piece in self._scheduler.stream(job):
+                async for piece in self._scheduler.stream(job, client):
                     if isinstance(piece, SharedTokens):
                         shared += piece.tokens
                         self.count_shared(piece.tokens)

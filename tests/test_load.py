@@ -66,8 +66,9 @@ def _load(model_dir, streams: int, seconds: float) -> None:
           f"(RESOURCE_EXHAUSTED), server RSS idle {rss['idle'] / 2**20:.0f} MiB, peak {rss['peak'] / 2**20:.0f} MiB")
     assert not errors, errors[:3]
     assert len(results) >= streams
-    for e in refused:
-        assert f"--max-queued-tokens {MAX_QUEUED}" in e.details
+    for e in refused:   # every stream is one client here (127.0.0.1): its share is half the queue
+        assert (f"--max-queued-tokens {MAX_QUEUED}" in e.details
+                or f"--max-queued-tokens-per-client {MAX_QUEUED // 2}" in e.details), e.details
     for j, got in results:
         within_packed_bound(got, alone[j])
     assert rss["peak"] - rss["idle"] < 1 << 30

@@ -116,7 +116,9 @@ def test_packed_mode_batched_results_equal_alone_within_the_bound(model_dirs):
 
 
 def test_queue_over_its_token_limit_answers_resource_exhausted(model_dirs):
-    server = serve_dir(model_dirs["llama"], scheduler=SchedulerConfig(max_queued_tokens=1000))
+    """Full logits rows count double in the queue (logitserve.cost): 800 tokens are 1600 work tokens."""
+    server = serve_dir(model_dirs["llama"], scheduler=SchedulerConfig(max_queued_tokens=2000,
+                                                                      max_queued_tokens_per_client=2000))
     long = random_seqs(np.random.default_rng(32), [400, 400])
     try:
         async def flood():
@@ -126,14 +128,14 @@ def test_queue_over_its_token_limit_answers_resource_exhausted(model_dirs):
         with TeacherClient(server.address) as c:
             assert c.logprobs([[1, 2, 3]])[0].shape == (3,)
             with pytest.raises(LogitServeError) as too_big:
-                c.logprobs(random_seqs(np.random.default_rng(1), [501, 500]))
+                c.logprobs(random_seqs(np.random.default_rng(1), [501, 500, 500, 500]))
     finally:
         server.stop()
     refused = [r for r in results if isinstance(r, LogitServeError)]
     served = [r for r in results if not isinstance(r, Exception)]
     assert refused and served and len(refused) + len(served) == 6
     for e in refused + [too_big.value]:
-        assert e.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "--max-queued-tokens 1000" in e.details
+        assert e.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "--max-queued-tokens 2000" in e.details
 
 
 def test_request_over_the_memory_budget_is_refused_not_run(model_dirs):
@@ -256,27 +258,49 @@ def test_cancelled_queued_job_frees_its_queue_tokens_at_once():
         scheduler.shutdown()
 
 
-def test_a_stream_that_stops_reading_loses_its_request_not_the_server(model_dirs):
-    """--stall-timeout: a client that never reads a big response is dropped after the timeout; the compute
-    thread moves on, others are served, and the stalled request ends with RESOURCE_EXHAUSTED."""
-    server = serve_dir(model_dirs["llama"], max_message_bytes=64 << 10,
-                       scheduler=SchedulerConfig(stall_timeout_s=1.0, max_pending=2, batch_delay_s=0.0))
+def _stalled_full_logits(address: str):
+    """A stream that asks for 32 MB of full logits and reads nothing (for now): (channel, response iterator)."""
     big = pb.ForwardRequest(request_id="big")
-    for s in random_seqs(np.random.default_rng(9), [500] * 16, vocab=VOCAB):   # 32 MB of full logits
+    for s in random_seqs(np.random.default_rng(9), [500] * 16, vocab=VOCAB):
         big.sequences.add(dtype=pb.INT32, shape=[len(s)], data=np.asarray(s, "<i4").tobytes())
     big.full_logits.SetInParent()
+    ch = grpc.insecure_channel(address, options=[("grpc.max_receive_message_length", -1)])
+    return ch, pb_grpc.LogitServeStub(ch).Forward(iter([big]))
+
+
+def test_a_stalled_reader_alone_is_waited_on_for_the_stall_timeout_then_dropped(model_dirs):
+    """Nobody else waiting: the compute thread waits on the full buffer for --stall-timeout, then drops it."""
+    server = serve_dir(model_dirs["llama"], max_message_bytes=64 << 10,
+                       scheduler=SchedulerConfig(stall_timeout_s=1.0, max_buffered_bytes=1 << 20, batch_delay_s=0.0))
     try:
-        with grpc.insecure_channel(server.address, options=[("grpc.max_receive_message_length", -1)]) as ch:
-            stalled = pb_grpc.LogitServeStub(ch).Forward(iter([big]))       # sent, never read (for now)
+        ch, stalled = _stalled_full_logits(server.address)
+        with ch:
+            time.sleep(3.0)                                                   # past the stall timeout
+            ends = [m.error for m in stalled if m.HasField("error")]         # now read what it left
+        assert len(ends) == 1 and ends[0].code == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
+        assert "stall_timeout_s=1" in ends[0].message
+        assert server.running.scheduler.queued_tokens() == 0 and server.running.scheduler.held_bytes() == 0
+    finally:
+        server.stop()
+
+
+def test_a_stalled_reader_never_holds_up_another_request(model_dirs):
+    """Another request waiting: the stalled one, its buffer full, is dropped at once (not after the 30 s stall
+    timeout) naming --max-buffered-bytes, and the other is served without waiting on it."""
+    server = serve_dir(model_dirs["llama"], max_message_bytes=64 << 10,
+                       scheduler=SchedulerConfig(stall_timeout_s=30.0, max_buffered_bytes=1 << 20, batch_delay_s=0.0))
+    try:
+        ch, stalled = _stalled_full_logits(server.address)
+        with ch:
             time.sleep(1.0)
             t0 = time.monotonic()
             with TeacherClient(server.address) as c:
                 lp = c.logprobs([[1, 2, 3]])
             waited = time.monotonic() - t0
-            assert lp[0].shape == (3,) and waited < 30
-            ends = [m.error for m in stalled if m.HasField("error")]         # now read what it left
+            assert lp[0].shape == (3,) and waited < 10
+            ends = [m.error for m in stalled if m.HasField("error")]
         assert len(ends) == 1 and ends[0].code == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
-        assert "stall_timeout_s=1" in ends[0].message
-        assert server.running.scheduler.queued_tokens() == 0
+        assert "--max-buffered-bytes is 1 MiB" in ends[0].message
+        assert server.running.scheduler.queued_tokens() == 0 and server.running.scheduler.held_bytes() == 0
     finally:
         server.stop()

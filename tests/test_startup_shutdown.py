@@ -122,7 +122,7 @@ def test_clients_wait_through_start_up(model_dirs):
 
 
 def test_sigterm_past_the_grace_period_ends_requests_with_unavailable_and_exits_zero():
-    server = CliServer("--grace-s", "0.3")
+    server = CliServer("--grace-s", "0.3", "--max-response-bytes", "4GiB")   # 2 GB of full logits: long enough
     rng = np.random.default_rng(0)
     seqs = [rng.integers(0, 1000, 2048) for _ in range(8)]
     result = {}

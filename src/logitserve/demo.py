@@ -86,6 +86,11 @@ def demo_dir(kind: str = "causal", shape: str = "demo") -> Path:
     tmp = Path(tempfile.mkdtemp(prefix=f".demo-{kind}-", dir=final.parent))
     try:
         export_demo(tmp, kind, shape)
+        if not (tmp / "config.json").exists() or not any(tmp.glob("*.safetensors")):
+            # transformers' save_pretrained writes weights only on rank 0 once torch.distributed is initialized:
+            # an incomplete directory must never become the cache every rank then reads
+            raise RuntimeError(f"building the demo model wrote no config or weights into {tmp}; build it before "
+                               f"torch.distributed is initialized (logitserve serve does)")
         try:
             os.rename(tmp, final)
         except OSError:  # another process finished first

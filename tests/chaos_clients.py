@@ -1,0 +1,141 @@
+"""Hostile clients for the chaos test, run as their own process: `python chaos_clients.py ADDRESS SECONDS TOKEN...`.
+
+Each behaviour runs in its own thread with its own bearer token (its own client identity) until SECONDS pass:
+stalled readers, stream hoarders, oversized texts, oversized candidate arrays, k = V requests, cancel storms
+and hang-ups. Prints one JSON line of what each saw (status code names and counts)."""
+from __future__ import annotations
+
+import collections
+import json
+import sys
+import threading
+import time
+
+import grpc
+import numpy as np
+
+from logitserve.v1 import logitserve_pb2 as pb
+from logitserve.v1 import logitserve_pb2_grpc as pb_grpc
+
+V = 32000
+OPTS = [("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1)]
+seen: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+
+
+def ids(n: int, seed: int) -> pb.Tensor:
+    return pb.Tensor(dtype=pb.INT32, shape=[n], data=np.random.default_rng(seed).integers(3, V, n).astype("<i4").tobytes())
+
+
+def meta(token: str):
+    return (("authorization", f"Bearer {token}"),)
+
+
+def record(kind: str, responses) -> None:
+    try:
+        for m in responses:
+            if m.HasField("error"):
+                seen[kind][next(c.name for c in grpc.StatusCode if c.value[0] == m.error.code)] += 1
+            elif m.HasField("done"):
+                seen[kind]["OK"] += 1
+    except grpc.RpcError as e:
+        seen[kind][e.code().name] += 1
+
+
+def stall(address: str, token: str, until: float) -> None:
+    """Ask for 2048 tokens of full logits, read nothing for 4 s, then read what is left."""
+    k = 0
+    while time.monotonic() < until:
+        req = pb.ForwardRequest(request_id=f"stall{k}", sequences=[ids(2048, k)])
+        req.full_logits.SetInParent()
+        with grpc.insecure_channel(address, options=OPTS) as ch:
+            responses = pb_grpc.LogitServeStub(ch).Forward(iter([req]), metadata=meta(token))
+            time.sleep(4.0)
+            record("stall", responses)
+        k += 1
+
+
+def hoard(address: str, token: str, until: float) -> None:
+    """Open as many empty streams as allowed and keep reopening them."""
+    with grpc.insecure_channel(address, options=OPTS) as ch:
+        stub = pb_grpc.LogitServeStub(ch)
+        blocker = threading.Event()
+
+        def nothing():
+            blocker.wait()
+            return
+            yield
+
+        while time.monotonic() < until:
+            calls = [stub.Forward(nothing(), metadata=meta(token)) for _ in range(8)]
+            time.sleep(2.0)
+            for c in calls:
+                if c.done():
+                    seen["hoard"][c.code().name] += 1
+                else:
+                    c.cancel()
+                    seen["hoard"]["held"] += 1
+        blocker.set()
+
+
+def oversized(address: str, token: str, until: float) -> None:
+    """9 MiB texts, 8192 x 1950 candidate arrays and k = V on 8192 tokens, in turn."""
+    text = " ".join(["t7"] * (3 << 20))
+    cands = np.random.default_rng(1).integers(0, V, (8192, 1950)).astype("<i4")
+    k = 0
+    with grpc.insecure_channel(address, options=OPTS) as ch:
+        stub = pb_grpc.LogitServeStub(ch)
+        while time.monotonic() < until:
+            which = ("text", "candidates", "k=V")[k % 3]
+            req = pb.ForwardRequest(request_id=f"big{k}")
+            if which == "text":
+                req.texts.append(text)
+                req.logprobs.SetInParent()
+            elif which == "candidates":
+                req.sequences.append(ids(8192, k))
+                req.candidates.ids.append(pb.Tensor(dtype=pb.INT32, shape=[8192, 1950], data=cands.tobytes()))
+            else:
+                req.sequences.append(ids(8192, k))
+                req.topk.k = V
+            record(which, stub.Forward(iter([req]), metadata=meta(token)))
+            k += 1
+            time.sleep(0.5)
+
+
+def cancel_storm(address: str, token: str, until: float) -> None:
+    """Send 512-token requests and cancel each at once, on one stream; then hang up mid-request."""
+    k = 0
+    while time.monotonic() < until:
+        with grpc.insecure_channel(address, options=OPTS) as ch:
+            stub = pb_grpc.LogitServeStub(ch)
+
+            def reqs():
+                for j in range(20):
+                    r = pb.ForwardRequest(request_id=f"c{j}", sequences=[ids(512, j)])
+                    r.logprobs.SetInParent()
+                    yield r
+                    yield pb.ForwardRequest(request_id=f"c{j}", cancel=True)
+                time.sleep(0.2)
+
+            record("cancel", stub.Forward(reqs(), metadata=meta(token)))
+            hang = stub.Forward(iter([pb.ForwardRequest(request_id="h", sequences=[ids(1024, k)])]),
+                                metadata=meta(token))
+            time.sleep(0.05)
+            hang.cancel()                      # hang up with the request in flight
+            seen["hang-up"]["sent"] += 1
+        k += 1
+        time.sleep(0.2)
+
+
+def main() -> None:
+    address, seconds, *tokens = sys.argv[1:]
+    until = time.monotonic() + float(seconds)
+    behaviours = (stall, hoard, oversized, cancel_storm)
+    threads = [threading.Thread(target=b, args=(address, tokens[i % len(tokens)], until), daemon=True)
+               for i, b in enumerate(behaviours)]
+    [t.start() for t in threads]
+    [t.join(float(seconds) + 60) for t in threads]
+    print(json.dumps({k: dict(v) for k, v in seen.items()}), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,93 @@
+"""Chaos: well-behaved clients measure their latency while hostile ones stall, hoard, oversize, storm cancels and
+hang up (tests/chaos_clients.py, in its own process); the server stays up, within its memory budget, and fair."""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import CliServer
+from logitserve.client import TeacherClient
+from test_isolation import OVERHEAD, Rss
+
+MiB = 2 ** 20
+TOKENS = ("polite", "stall", "hoard", "big", "storm")
+CHAOS = Path(__file__).with_name("chaos_clients.py")
+
+
+def _measure(address: str, seconds: float, out: list, seqs) -> None:
+    with TeacherClient(address, token=TOKENS[0]) as c:
+        until = time.monotonic() + seconds
+        k = 0
+        while time.monotonic() < until:
+            t0 = time.monotonic()
+            lp = c.logprobs([seqs[k % len(seqs)]])
+            out.append((time.monotonic() - t0, k % len(seqs), lp[0]))
+            k += 1
+
+
+def _percentiles(xs) -> tuple[float, float]:
+    xs = sorted(xs)
+    return statistics.median(xs), xs[min(len(xs) - 1, int(0.99 * len(xs)))]
+
+
+def chaos(tmp_path, seconds: float, *layout: str) -> None:
+    (tmp_path / "tokens").write_text("\n".join(TOKENS) + "\n")
+    server = CliServer("--memory-budget", "1GiB", "--auth-token-file", str(tmp_path / "tokens"),
+                       "--max-buffered-bytes", "8MiB", "--stream-idle-s", "3", "--max-streams-per-client", "4",
+                       "--stall-timeout", "2", "--collective-timeout", "10", *layout)
+    rng = np.random.default_rng(0)
+    seqs = [rng.integers(3, 32000, 16).tolist() for _ in range(8)]
+    try:
+        unloaded: list = []
+        _measure(server.address, min(10.0, seconds / 3), unloaded, seqs)
+        loaded: list = []
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+        with Rss(server.proc.pid) as rss:
+            hostile = subprocess.Popen([sys.executable, str(CHAOS), server.address, str(seconds), *TOKENS[1:]],
+                                       stdout=subprocess.PIPE, text=True, env=env)
+            time.sleep(1.0)
+            _measure(server.address, seconds - 1.0, loaded, seqs)
+            out, _ = hostile.communicate(timeout=seconds + 120)
+        seen = json.loads(out.strip().splitlines()[-1])
+        assert server.proc.poll() is None, "".join(server.log[-40:])
+        p50u, p99u = _percentiles([t for t, _, _ in unloaded])
+        p50, p99 = _percentiles([t for t, _, _ in loaded])
+        print(f"\nchaos {' '.join(layout) or 'tp 1'} {seconds:g} s: unloaded p50 {p50u * 1e3:.1f} ms p99 "
+              f"{p99u * 1e3:.1f} ms ({len(unloaded)}); under chaos p50 {p50 * 1e3:.1f} ms p99 {p99 * 1e3:.1f} ms "
+              f"({len(loaded)}); RSS +{rss.growth / MiB:.0f} MiB; hostile saw {seen}")
+        # Every well-behaved answer is exact: the same ids give the same logprobs under load as unloaded.
+        first = {k: lp for _, k, lp in unloaded}
+        for _, k, lp in loaded:
+            np.testing.assert_array_equal(lp, first[k])
+        assert p50 <= 1.5 * p50u + 0.005 and p99 <= 3 * p99u + 0.010, (p50u, p99u, p50, p99)
+        assert rss.growth < 1024 * MiB + OVERHEAD, rss.growth / MiB
+        assert seen.get("text", {}).get("RESOURCE_EXHAUSTED") and seen.get("k=V", {}).get("RESOURCE_EXHAUSTED")
+        assert seen.get("hoard", {}).get("RESOURCE_EXHAUSTED")
+        assert all(code in ("OK", "RESOURCE_EXHAUSTED", "CANCELLED", "UNAVAILABLE", "held", "sent")
+                   for counts in seen.values() for code in counts), seen
+        with TeacherClient(server.address, token=TOKENS[0]) as c:
+            assert c.model_info() is not None
+    finally:
+        assert server.stop() == 0
+
+
+def test_chaos_short_tp1(tmp_path):
+    chaos(tmp_path, 30.0)
+
+
+@pytest.mark.slow
+def test_chaos_tp1(tmp_path):
+    chaos(tmp_path, 300.0)
+
+
+@pytest.mark.slow
+def test_chaos_tp2(tmp_path):
+    chaos(tmp_path, 300.0, "--tp", "2")
