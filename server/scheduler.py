@@ -6,7 +6,8 @@
   or when the bytes held by admitted requests (their inputs and their output buffers) and its own
   would be. Every refusal names the bound.
 - Fairness: each client (server.admission.client_of) has its own queue; batches take the clients'
-  oldest jobs in turn, so one client's hundred queued requests do not put another's one behind them.
+  oldest jobs in turn, so one client's hundred queued requests do not put another's one behind them;
+  within a batch the cheapest jobs run first.
 - Batching: the first job taken opens a batch; jobs arriving within `batch_delay_s` join while the
   batch stays under `max_batch_tokens`. A batch is one broadcast to the ranks and, in packed mode,
   one packed body (see logitserve.engine for the modes).
@@ -276,7 +277,8 @@ class Scheduler:
                 if left <= 0 or tokens >= c.max_batch_tokens or (nxt is not None and tokens + nxt.tokens > c.max_batch_tokens):
                     break
                 self._cond.wait(timeout=left)
-        return batch
+        batch.sort(key=lambda t: t.work)   # cheapest first: packs and head chunks follow this order, so a small
+        return batch                       # request sharing a batch with a large one is not computed after it
 
     def _loop(self) -> None:
         while (batch := self._next_batch()) is not None:

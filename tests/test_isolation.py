@@ -41,15 +41,36 @@ def full_logits_request(rid: str, n: int, length: int) -> pb.ForwardRequest:
     return req
 
 
+def _tree(pid: int) -> list[int]:
+    """pid and its descendants (a TP server's ranks are the launcher's children)."""
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        try:
+            with open(f"/proc/{p}/task/{p}/children") as f:
+                todo += [int(c) for c in f.read().split()]
+        except OSError:
+            pass
+    return out
+
+
 class Rss:
-    """The server process's resident memory, sampled every 20 ms: `peak` since start()."""
+    """The server's resident memory (its process and their children: every rank), sampled every 20 ms: `peak`
+    of the sum since start()."""
 
     def __init__(self, pid: int):
         self.pid, self.peak, self._stop = pid, 0, threading.Event()
 
     def now(self) -> int:
-        with open(f"/proc/{self.pid}/statm") as f:
-            return int(f.read().split()[1]) * 4096
+        total = 0
+        for p in _tree(self.pid):
+            try:
+                with open(f"/proc/{p}/statm") as f:
+                    total += int(f.read().split()[1]) * 4096
+            except OSError:
+                pass
+        return total
 
     def __enter__(self):
         self.base = self.peak = self.now()

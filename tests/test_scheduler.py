@@ -304,3 +304,34 @@ def test_a_stalled_reader_never_holds_up_another_request(model_dirs):
         assert server.running.scheduler.queued_tokens() == 0 and server.running.scheduler.held_bytes() == 0
     finally:
         server.stop()
+
+
+def test_one_clients_hundred_queued_requests_do_not_put_anothers_one_behind_them(model_dirs, tmp_path):
+    """Fair order: each client (bearer token) has its own queue and batches take the clients in turn. Client A
+    queues 100 requests, two per batch; client B's one request, sent after them, is served in the next batch
+    or so, not after A's hundred (FIFO would put it 50 batches back)."""
+    from logitserve.server.security import SecurityConfig
+
+    (tmp_path / "tokens").write_text("client-a\nclient-b\n")
+    server = serve_dir(model_dirs["llama"], security=SecurityConfig(auth_token_file=str(tmp_path / "tokens")),
+                       scheduler=SchedulerConfig(max_batch_tokens=512, batch_delay_s=0.0,
+                                                 max_queued_tokens_per_client=1 << 20))
+    seqs = random_seqs(np.random.default_rng(5), [256])
+    done: list = []
+    try:
+        async def run():
+            async with AsyncTeacherClient(server.address, token="client-a") as a, \
+                    AsyncTeacherClient(server.address, token="client-b") as b:
+                async def one(c, name):
+                    await c.logprobs(seqs)
+                    done.append(name)
+                flood = [asyncio.create_task(one(a, "a")) for _ in range(100)]
+                while server.running.scheduler.queue_length() < 50:    # A's requests are queued
+                    await asyncio.sleep(0.005)
+                await one(b, "b")
+                await asyncio.gather(*flood)
+        asyncio.run(run())
+    finally:
+        server.stop()
+    assert len(done) == 101
+    assert done.index("b") < 20, done.index("b")     # FIFO: ~100

@@ -1,7 +1,10 @@
 """Serving across ranks: rank 0 broadcasts each job, every rank runs its share, rank 0 gathers the pieces.
 
 Jobs and pieces travel on the gloo control group (CPU tensors, pickled); the
-model's own collectives run on the TP/CP groups. Every collective has the
+model's own collectives run on the TP/CP groups. After every step rank 0 shares
+which of the batch's jobs are dropped (cancelled, ended for a slow reader), so
+every rank skips the same work at the same point and a dropped job's remaining
+chunks are computed nowhere. Every collective has the
 groups' timeout; idle rank 0 sends a heartbeat (the scheduler's idle tick) so
 waiting ranks never time out while healthy and a dead rank is noticed within one.
 """
@@ -11,6 +14,7 @@ import logging
 import threading
 from typing import Callable, Iterator, Optional
 
+import torch
 import torch.distributed as dist
 
 from .engine import Engine, Piece, SharedTokens, Step
@@ -31,6 +35,14 @@ def _others_emit(jobs: list[Job], step: Step, ctx: ParallelContext) -> bool:
     full-logits slices come from each rank's vocab shard. Under CP, rows are spread.
     """
     return ctx.cp > 1 or any(jobs[j].full_logits is not None for j in step.jobs)
+
+
+def _share_dropped(dropped: list[bool], ctx: ParallelContext, skip: Optional[Callable[[int], bool]] = None) -> None:
+    """Rank 0 adds what `skip` says now and sends the flags; the other ranks receive them. In place."""
+    flags = torch.tensor([bool(d or (skip is not None and skip(i))) for i, d in enumerate(dropped)],
+                         dtype=torch.uint8)                                                     # [jobs]
+    dist.broadcast(flags, src=0, group=ctx.control_group)
+    dropped[:] = [bool(x) for x in flags.tolist()]
 
 
 class RankLost(Unavailable):
@@ -74,25 +86,32 @@ class DistributedRunner:
     def run_batch(self, jobs: list[Job], skip: Callable[[int], bool] = lambda i: False) -> Iterator[tuple[int, object]]:
         """One broadcast for the batch; (job index, piece or the job's exception) as the ranks' steps are gathered.
 
-        `skip` is not honoured mid-batch: the other ranks are computing the same steps, so
-        a cancelled job's steps still run (their pieces are dropped by the scheduler).
+        `skip` is read after every step and shared with the other ranks (_share_dropped), so all of them
+        drop a cancelled job's remaining work at the same point.
         """
         with self._lock:
-            self._broadcast((_JOB, jobs))
-            steps = self._engine.batch_steps(jobs)
+            dropped = [bool(skip(i)) for i in range(len(jobs))]
+            self._broadcast((_JOB, (jobs, dropped)))
+            steps = self._engine.batch_steps(jobs, lambda j: dropped[j])
             # A job's own error (every rank raises it alike) stays in its Step.errors and the ranks go on in
             # step; what escapes a step (a failed collective) leaves them out of step: fatal.
             try:
                 while (step := self._collective(next, steps, _END)) is not _END:
+                    # The step's pieces are gathered before anything is yielded: a consumer leaving at any
+                    # yield below finds every rank past this step's gather and before its _share_dropped.
+                    others = _others_emit(jobs, step, self._ctx)
+                    pieces = self._gather(list(step.pieces)) if others else list(step.pieces)
                     yield from step.errors      # (job, exception): that job alone fails, with its status
                     yield from ((j, SharedTokens(n)) for j, n in step.shared)
-                    others = _others_emit(jobs, step, self._ctx)
-                    yield from self._gather(list(step.pieces)) if others else step.pieces
+                    yield from pieces
+                    self._collective(_share_dropped, dropped, self._ctx, skip)
             except GeneratorExit:
-                # The consumer left; the other ranks are mid-batch, so finish it in lockstep.
+                # The consumer left; the other ranks are mid-batch: drop every job and finish it in lockstep.
+                self._collective(_share_dropped, dropped, self._ctx, lambda i: True)
                 while (step := self._collective(next, steps, _END)) is not _END:
                     if _others_emit(jobs, step, self._ctx):
                         self._gather(list(step.pieces))
+                    self._collective(_share_dropped, dropped, self._ctx, lambda i: True)
                 raise
 
     def heartbeat(self) -> None:
@@ -115,10 +134,12 @@ def follow(engine: Engine, ctx: ParallelContext) -> None:
     while True:
         box = [None]
         dist.broadcast_object_list(box, src=0, group=ctx.control_group)
-        kind, job = box[0]
+        kind, payload = box[0]
         if kind == _STOP:
             return
         if kind == _JOB:
-            for step in engine.batch_steps(job):   # a job's error is rank 0's to report; a collective's raises
-                if _others_emit(job, step, ctx):
+            jobs, dropped = payload
+            for step in engine.batch_steps(jobs, lambda j: dropped[j]):   # a job's error is rank 0's to report
+                if _others_emit(jobs, step, ctx):
                     dist.gather_object(list(step.pieces), None, dst=0, group=ctx.control_group)
+                _share_dropped(dropped, ctx)

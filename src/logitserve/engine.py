@@ -309,7 +309,8 @@ class Engine:
                     span = job.token_rows(m.sequence) if job.prompt_lengths is not None else None
                     segs.setdefault(m.job, []).append(Segment(m.sequence, ids[(m.job, m.sequence)], lo + a - q,
                                                               lo + b - q, a - c0, span))
-            yield self._chunk_step(run, h[c0:c1], segs, cands)
+            if segs:               # every member dropped (cancelled, too slow): no head for these rows
+                yield self._chunk_step(run, h[c0:c1], segs, cands)
 
     @torch.inference_mode()
     def _chunk_step(self, run: "_Run", h: torch.Tensor, segs: dict[int, list[Segment]], cands: dict) -> Step:
