@@ -1,4 +1,4 @@
-"""The `logitserve` command: serve, info, query, export-demo."""
+"""The `logitserve` command: serve and export-demo here; info, query, health, capture in logitserve.client.cli."""
 from __future__ import annotations
 
 import argparse
@@ -8,16 +8,17 @@ import os
 import sys
 
 
-def _serve_parser(sub) -> None:
-    p = sub.add_parser("serve", help="serve a model (the embedded demo when --model is not given)")
+def _serve_parser(sub, formatter) -> None:
+    p = sub.add_parser("serve", help="serve a model (the embedded demo when --model is not given)",
+                       formatter_class=formatter)
     p.add_argument("--host", default="127.0.0.1",
                    help="address to listen on (default loopback only; 0.0.0.0 for every interface, as in a container)")
-    p.add_argument("--port", type=int, default=50051)
+    p.add_argument("--port", type=int, default=50051, help="gRPC port (native, KServe, health); 0: a free one")
     p.add_argument("--model", default=None, help="local Hugging Face model directory (config.json + safetensors)")
     p.add_argument("--demo", choices=["causal", "reward"], default="causal", help="embedded demo when no --model")
     p.add_argument("--demo-shape", choices=["demo", "body", "1b"], default="demo",
                    help="the demo's shape: demo (lm_head-heavy), body (8 layers, hidden 768), 1b (for GPUs)")
-    p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32")
+    p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32", help="weights and activations")
     p.add_argument("--logprob-chunk-size", type=int, default=512, help="logits rows materialized at a time")
     p.add_argument("--max-seq-len", type=int, default=None, help="default: the model's max_position_embeddings")
     p.add_argument("--max-message-bytes", type=int, default=4 << 20, help="every response message stays under this")
@@ -41,24 +42,24 @@ def _serve_parser(sub) -> None:
                    help="refuse requests whose estimated peak is over this, e.g. 2GiB (default: no limit)")
     p.add_argument("--stall-timeout", type=float, default=30.0,
                    help="longest the compute thread waits on one slow reader, and only while no other request waits "
-                        "(default 30; below --collective-timeout)")
+                        "(below --collective-timeout)")
     p.add_argument("--max-buffered-bytes", type=_size, default=256 << 20, metavar="SIZE",
-                   help="per request: computed outputs its stream has not read yet (default 256MiB, reserved in "
-                        "--memory-budget); a reader that lets it fill while others wait loses its request")
+                   help="per request: computed outputs its stream has not read yet (reserved in --memory-budget); "
+                        "a reader that lets it fill while others wait loses its request")
     p.add_argument("--max-text-bytes", type=_size, default=1 << 20, metavar="SIZE",
-                   help="UTF-8 bytes of one request's texts, checked before tokenizing (default 1MiB)")
+                   help="UTF-8 bytes of one request's texts, checked before tokenizing")
     p.add_argument("--max-request-bytes", type=_size, default=64 << 20, metavar="SIZE",
-                   help="largest request message received (default 64MiB); lower it for untrusted clients")
+                   help="largest request message received; lower it for untrusted clients")
     p.add_argument("--max-response-bytes", type=_size, default=1 << 30, metavar="SIZE",
-                   help="bytes of one request's outputs, checked before it runs (default 1GiB)")
+                   help="bytes of one request's outputs, checked before it runs")
     p.add_argument("--max-queued-tokens-per-client", type=int, default=None, metavar="N",
-                   help="one client's share of --max-queued-tokens (default: half of it)")
+                   help="one client's share of --max-queued-tokens (none given: half of it)")
     p.add_argument("--max-streams-per-client", type=int, default=128, metavar="N",
-                   help="Forward streams one client (bearer token, or peer host without auth) holds open (default 128)")
+                   help="Forward streams one client (bearer token, or peer host without auth) holds open")
     p.add_argument("--max-in-flight-per-client", type=int, default=1024, metavar="N",
-                   help="requests in flight for one client, all streams and KServe together (default 1024)")
+                   help="requests in flight for one client, all streams and KServe together")
     p.add_argument("--stream-idle-s", type=float, default=300.0, metavar="S",
-                   help="close a Forward stream with no request in flight for this long (default 300)")
+                   help="close a Forward stream with no request in flight for this long")
     p.add_argument("--no-overlap", action="store_true", help="send each piece before computing the next (for measuring)")
     p.add_argument("--no-malloc-tuning", action="store_true",
                    help="keep glibc's malloc defaults (by default: one arena, no trimming; see logitserve.hostmem)")
@@ -71,11 +72,12 @@ def _serve_parser(sub) -> None:
                    help="address of /metrics (it has no auth; default loopback only)")
     p.add_argument("--grace-s", type=float, default=5.0,
                    help="on SIGTERM: NOT_SERVING and new requests UNAVAILABLE at once, in-flight ones get this long")
-    p.add_argument("--max-sequences-per-request", type=int, default=4096)
-    p.add_argument("--max-request-tokens", type=int, default=1 << 20)
+    p.add_argument("--max-sequences-per-request", type=int, default=4096, help="sequences in one request")
+    p.add_argument("--max-request-tokens", type=int, default=1 << 20, help="tokens in one request")
     p.add_argument("--max-streams", type=int, default=256, help="Forward streams open at once, server-wide")
-    p.add_argument("--max-in-flight-per-stream", type=int, default=256)
+    p.add_argument("--max-in-flight-per-stream", type=int, default=256, help="requests in flight on one stream")
     p.add_argument("--keepalive-s", type=float, default=60.0, help="ping idle connections; drop peers silent 20 s")
+    p.add_argument("--debug", action="store_true", help="tracebacks for start-up errors (one line each without)")
     p.add_argument("--log-format", choices=["text", "json"], default="text",
                    help="json: one object per line, with request_id, status, tokens and seconds per request")
 
@@ -90,67 +92,16 @@ def _size(text: str) -> int:
     return int(float(t))
 
 
-def _wait_arg(p) -> None:
-    p.add_argument("--wait", type=float, default=600.0, metavar="S",
-                   help="wait up to S seconds for a server that is still starting (0: fail at once)")
-
-
-def _connect(args):
-    """A TeacherClient to args.address, once the server is ready (saying so on stderr when it waits)."""
-    from logitserve.client import LogitServeError, TeacherClient
-
-    client = TeacherClient(args.address)
-    try:
-        client.wait_ready(0.5)
-    except LogitServeError as e:
-        if e.code.name not in ("UNAVAILABLE", "DEADLINE_EXCEEDED") or args.wait <= 0.5:
-            client.close()
-            raise
-        print(f"logitserve: {args.address} is not ready yet ({e.details}); waiting up to {args.wait:g} s "
-              f"(--wait)", file=sys.stderr, flush=True)
-        try:
-            client.wait_ready(args.wait)
-        except BaseException:
-            client.close()
-            raise
-    return client
-
-
-def _client_parsers(sub) -> None:
-    p = sub.add_parser("info", help="print a server's model info")
-    p.add_argument("address")
-    _wait_arg(p)
-    q = sub.add_parser("query", help="print token logprobs and top-k for some token ids")
-    q.add_argument("address")
-    _wait_arg(q)
-    given = q.add_mutually_exclusive_group(required=True)
-    given.add_argument("--ids", help="comma-separated token ids, e.g. 1,2,3")
-    given.add_argument("--text", help="a text for the server to tokenize with the model's tokenizer")
-    q.add_argument("--topk", type=int, default=5)
-    q.add_argument("--temperature", type=float, default=1.0)
-    h = sub.add_parser("health", help="exit 0 when a server's grpc.health.v1 says SERVING (for HEALTHCHECK)")
-    h.add_argument("address", nargs="?", default="127.0.0.1:50051")
-    h.add_argument("--timeout", type=float, default=5.0)
-    c = sub.add_parser("capture", help="capture a teacher's top-k for a jsonl dataset into safetensors shards")
-    c.add_argument("address")
-    _wait_arg(c)
-    c.add_argument("--input", required=True, help='jsonl: {"ids": [...]} or {"text": "..."} per line')
-    c.add_argument("--out", required=True, help="directory of shards + manifest.json; a rerun resumes")
-    c.add_argument("--topk", type=int, default=64)
-    c.add_argument("--logprobs", action="store_true", help="also the token logprobs")
-    c.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="top-k values on disk")
-    c.add_argument("--temperature", type=float, default=1.0)
-    c.add_argument("--shard-samples", type=int, default=256)
-    c.add_argument("--batch-samples", type=int, default=16, help="samples per request")
-    c.add_argument("--in-flight", type=int, default=4, help="requests on the stream at once")
-    c.add_argument("--verify", type=int, default=0, metavar="N", help="then re-check N random samples live")
-    c.add_argument("--no-progress", action="store_true")
-    e = sub.add_parser("export-demo", help="write the embedded demo model as a Hugging Face directory")
+def _export_parser(sub, formatter) -> None:
+    e = sub.add_parser("export-demo", help="write the embedded demo model as a Hugging Face directory",
+                       formatter_class=formatter)
     e.add_argument("directory")
     e.add_argument("--kind", choices=["causal", "reward"], default="causal")
     e.add_argument("--shape", choices=["demo", "body", "1b"], default="demo")
 
 
+# torch first and pinned: with no torch present, pip would pick a multi-GB CUDA build for the extras
+INSTALL_SERVER = "pip install torch==2.13.0 && pip install 'logitserve[server]'"
 SERVER_MODULES = ("torch", "transformers", "safetensors", "accelerate", "grpc_health", "grpc_reflection",
                   "prometheus_client")
 
@@ -166,8 +117,7 @@ def _cmd_serve(args, argv: list[str]) -> int:
     missing = _missing_server_extras()
     if missing:
         print(f"logitserve serve needs the server extras, missing here: {', '.join(missing)}.\n"
-              f"Install them with: pip install 'logitserve[server]'  (install torch first to pick its build: "
-              f"pip install torch)", file=sys.stderr)
+              f"Install them with: {INSTALL_SERVER}", file=sys.stderr)
         return 2
     import torch
     from transformers.utils import logging as hf_logging
@@ -184,6 +134,15 @@ def _cmd_serve(args, argv: list[str]) -> int:
 
     parallel = ParallelConfig(tp=args.tp, cp=args.cp, collective_timeout_s=args.collective_timeout,
                               device=args.device)
+    from logitserve.preflight import StartupError, check_layout, check_model_dir
+
+    if not under_torchrun():       # once, before any rank starts (under torchrun: every rank checks alike)
+        try:
+            check_model_dir(args.model)
+            check_layout(args.model, args.demo, args.demo_shape, args.tp, args.cp)
+        except StartupError as e:
+            print(f"logitserve: {e}", file=sys.stderr)
+            return 2
     if parallel.world_size > 1 and not args.stall_timeout < args.collective_timeout:
         print(f"logitserve: --stall-timeout {args.stall_timeout:g} must be below --collective-timeout "
               f"{args.collective_timeout:g}: the other ranks wait in a collective while rank 0 waits on a slow "
@@ -250,65 +209,14 @@ def _cmd_serve(args, argv: list[str]) -> int:
     os._exit(code)
 
 
-def _cmd_info(args) -> int:
-    with _connect(args) as c:
-        info = c.model_info(timeout=30)
-    for key, value in info.__dict__.items():
-        print(f"{key:>20}: {value}")
-    return 0
-
-
-def _cmd_query(args) -> int:
-    seq = args.text if args.text is not None else [int(x) for x in args.ids.split(",") if x.strip()]
-    with _connect(args) as c:
-        r = c.forward([seq], temperature=args.temperature, logprobs=True, topk=args.topk, topk_as_logprobs=True)
-    ids = r.input_ids[0].tolist() if args.text is not None else seq
-    lp, vals, top = r.logprobs[0], r.topk_values[0], r.topk_ids[0]
-    print(f"model {r.model.name} ({r.model.content_hash}), temperature {r.applied.temperature}")
-    print(f"{'pos':>4} {'token':>8} {'logprob':>10}   top-{args.topk} next tokens (id:logprob)")
-    for t, tok in enumerate(ids):
-        cells = "  ".join(f"{int(i)}:{v:.3f}" for i, v in zip(top[t], vals[t]))
-        print(f"{t:>4} {tok:>8} {lp[t]:>10.4f}   {cells}")
-    return 0
-
-
-def _cmd_health(args) -> int:
-    import grpc
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-    with grpc.insecure_channel(args.address) as ch:
-        try:
-            status = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=args.timeout).status
-        except grpc.RpcError as e:
-            print(f"{args.address}: {e.code().name}", file=sys.stderr)
-            return 1
-    name = health_pb2.HealthCheckResponse.ServingStatus.Name(status)
-    print(f"{args.address}: {name}")
-    return 0 if status == health_pb2.HealthCheckResponse.SERVING else 1
-
-
-def _cmd_capture(args) -> int:
-    import time
-    from pathlib import Path
-
-    from logitserve.client.capture import CaptureConfig, capture, verify
-
-    cfg = CaptureConfig(topk=args.topk, logprobs=args.logprobs, dtype=args.dtype, temperature=args.temperature,
-                        shard_samples=args.shard_samples, batch_samples=args.batch_samples, in_flight=args.in_flight)
-    t0 = time.perf_counter()
-    with _connect(args) as c:
-        manifest = capture(c, args.input, args.out, cfg, progress=not args.no_progress)
-        took = time.perf_counter() - t0
-        shards = sorted(Path(args.out).glob("shard-*.safetensors"))
-        print(f"captured {manifest['input']['samples']} samples into {len(shards)} shards in {took:.1f} s "
-              f"({sum(f.stat().st_size for f in shards) / 2**20:.1f} MiB) under {args.out}")
-        if args.verify:
-            print(f"verified {args.verify} samples against the live teacher: max |diff| "
-                  f"{verify(c, args.out, args.verify):.3g}")
-    return 0
-
-
 def _cmd_export(args) -> int:
+    import importlib.util
+
+    missing = [m for m in ("torch", "transformers", "safetensors") if importlib.util.find_spec(m) is None]
+    if missing:
+        print(f"logitserve export-demo builds the model with torch and transformers, missing here: "
+              f"{', '.join(missing)}. Install them with: {INSTALL_SERVER}", file=sys.stderr)
+        return 2
     from logitserve.demo import export_demo
 
     print(export_demo(args.directory, args.kind, args.shape))
@@ -316,25 +224,35 @@ def _cmd_export(args) -> int:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="logitserve", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-    _serve_parser(sub)
-    _client_parsers(sub)
+    from logitserve.client import cli as client_cli
+
+    formatter = argparse.ArgumentDefaultsHelpFormatter
+    parser = argparse.ArgumentParser(prog="logitserve", formatter_class=formatter,
+                                     description="A teacher's or reward model's per-token outputs over gRPC.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND",
+                                title="commands (logitserve COMMAND --help for each)")
+    _serve_parser(sub, formatter)
+    client_cli.add_parsers(sub, formatter)
+    _export_parser(sub, formatter)
     argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv)
     from .logs import configure
 
     configure(getattr(args, "log_format", "text"))
-    commands = {"serve": lambda a: _cmd_serve(a, argv), "info": _cmd_info, "query": _cmd_query,
-                "capture": _cmd_capture, "health": _cmd_health,
-                "export-demo": _cmd_export}
+    commands = {"serve": lambda a: _cmd_serve(a, argv), **client_cli.COMMANDS, "export-demo": _cmd_export}
     try:
         return commands[args.command](args)
-    except Exception as e:  # the client's LogitServeError included: one line, not a traceback
-        if type(e).__name__ == "LogitServeError":
-            print(f"logitserve: {e}", file=sys.stderr)
-            return 1
-        raise
+    except Exception as e:  # noqa: BLE001 (the client's errors, bad options, start-up failures: one line)
+        if getattr(args, "debug", False) or not _explainable(e):
+            raise
+        print(f"logitserve: {e}" if type(e).__name__ in ("LogitServeError", "ValueError", "StartupError")
+              else f"logitserve: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+
+
+def _explainable(e: Exception) -> bool:
+    """Errors whose message says it all: the client's, bad options, files and ports (a bug keeps its traceback)."""
+    return type(e).__name__ in ("LogitServeError", "StartupError", "PortInUse") or isinstance(e, (ValueError, OSError))
 
 
 if __name__ == "__main__":

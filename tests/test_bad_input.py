@@ -227,7 +227,7 @@ def test_defaults_listen_on_loopback_and_warn_about_tokens_without_tls(tmp_path,
     import argparse
 
     p = argparse.ArgumentParser()
-    _serve_parser(p.add_subparsers(dest="c"))
+    _serve_parser(p.add_subparsers(dest="c"), argparse.HelpFormatter)
     args = p.parse_args(["serve"])
     assert args.host == "127.0.0.1" and args.metrics_host == "127.0.0.1"
     tokens = tmp_path / "tokens"

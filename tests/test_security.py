@@ -120,3 +120,42 @@ def test_a_token_works_over_plaintext_too_and_bad_flags_are_refused(model_dirs, 
         SecurityConfig(tls_cert="x.pem")
     with pytest.raises(ValueError, match="needs --tls-cert"):
         SecurityConfig(tls_client_ca="ca.pem")
+
+
+def test_cli_client_commands_reach_a_tls_and_token_server(pki, model_dirs):
+    """info, query, health and capture take --token/--token-file and --tls-ca (or their environment variables)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from conftest import CliServer
+
+    server = CliServer("--model", str(model_dirs["llama"]), "--tls-cert", str(pki / "server.pem"),
+                       "--tls-key", str(pki / "server_key.pem"), "--auth-token-file", str(pki / "tokens"))
+
+    def cli(*args, env=None):
+        return subprocess.run([sys.executable, "-m", "logitserve.server.cli", *args], capture_output=True, text=True,
+                              timeout=120, env={**os.environ, **(env or {})})
+    try:
+        ca = ("--tls-ca", str(pki / "ca.pem"))
+        info = cli("info", server.address, *ca, "--token", "alpha-token-1")
+        assert info.returncode == 0 and "vocab_size" in info.stdout, info.stderr
+        (pki / "student-token").write_text("beta-token-2\n")
+        q = cli("query", server.address, "--ids", "1,2,3", *ca, "--token-file", str(pki / "student-token"))
+        assert q.returncode == 0 and len([x for x in q.stdout.splitlines() if x.split()[:1] == ["2"]]) == 1, q.stderr
+        env = {"LOGITSERVE_TLS_CA": str(pki / "ca.pem"), "LOGITSERVE_TOKEN": "alpha-token-1"}
+        assert cli("query", server.address, "--ids", "4 5", env=env).returncode == 0
+        data = pki / "data.jsonl"
+        data.write_text("\n".join(json.dumps({"ids": [1, 2, 3, 4]}) for _ in range(3)) + "\n")
+        cap = cli("capture", server.address, "--input", str(data), "--out", str(pki / "cap"), "--topk", "4",
+                  "--no-progress", env=env)
+        assert cap.returncode == 0 and "captured 3 samples" in cap.stdout, cap.stderr
+        health = cli("health", server.address, *ca)
+        assert health.returncode == 0 and "SERVING" in health.stdout, health.stderr
+        no_token = cli("info", server.address, *ca, "--wait", "0")
+        assert no_token.returncode == 1 and "UNAUTHENTICATED" in no_token.stderr and "Traceback" not in no_token.stderr
+        wrong = cli("info", server.address, *ca, "--token", "nope", "--wait", "0")
+        assert wrong.returncode == 1 and "PERMISSION_DENIED" in wrong.stderr
+    finally:
+        server.stop()

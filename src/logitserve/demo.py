@@ -22,7 +22,7 @@ DEMO_SHAPES = {
 }
 
 
-def _demo_config(kind: str, shape: str = "demo"):
+def demo_config(kind: str, shape: str = "demo"):
     from transformers import LlamaConfig
 
     hidden, inter, layers, heads, kv, _ = DEMO_SHAPES[shape]
@@ -65,7 +65,7 @@ def export_demo(directory: str | os.PathLike, kind: str = "causal", shape: str =
     cls = LlamaForCausalLM if kind == "causal" else LlamaForSequenceClassification
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(DEMO_SEED)
-        model = cls(_demo_config(kind, shape)).float().eval().to(getattr(torch, DEMO_SHAPES[shape][-1]))
+        model = cls(demo_config(kind, shape)).float().eval().to(getattr(torch, DEMO_SHAPES[shape][-1]))
     model.save_pretrained(out, safe_serialization=True)
     demo_tokenizer().save_pretrained(out)
     return out

@@ -1,0 +1,241 @@
+"""The client commands of `logitserve` (info, query, health, capture): grpcio and numpy only, no torch."""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import sys
+from pathlib import Path
+
+DEFAULT_PORT = 50051
+# Each connection option also comes from the environment, so a shell or a pod spec sets it once.
+ENV = {"token": "LOGITSERVE_TOKEN", "token_file": "LOGITSERVE_TOKEN_FILE", "tls_ca": "LOGITSERVE_TLS_CA",
+       "tls_cert": "LOGITSERVE_TLS_CERT", "tls_key": "LOGITSERVE_TLS_KEY"}
+HEALTH_STATUS = {0: "UNKNOWN", 1: "SERVING", 2: "NOT_SERVING", 3: "SERVICE_UNKNOWN"}
+
+
+def with_port(address: str) -> str:
+    """`host` -> `host:50051`, `[::1]` -> `[::1]:50051`; addresses with a port or a gRPC scheme stay as given."""
+    if re.match(r"^[a-z][a-z0-9+.-]*:(//|[^0-9])", address):      # dns:///x, ipv4:..., unix:...
+        return address
+    if address.startswith("["):
+        return address if re.search(r"\]:\d+$", address) else f"{address}:{DEFAULT_PORT}"
+    if address.count(":") == 1 and address.rsplit(":", 1)[1].isdigit():
+        return address
+    return f"{address}:{DEFAULT_PORT}" if ":" not in address else address
+
+
+def add_connection_args(p: argparse.ArgumentParser, wait: bool = True) -> None:
+    g = p.add_argument_group("connection (each also from the environment variable named)")
+    g.add_argument("--token", default=os.environ.get(ENV["token"]),
+                   help=f"bearer token for a server started with --auth-token-file (${ENV['token']})")
+    g.add_argument("--token-file", default=os.environ.get(ENV["token_file"]),
+                   help=f"a file holding the bearer token (${ENV['token_file']})")
+    g.add_argument("--tls-ca", default=os.environ.get(ENV["tls_ca"]),
+                   help=f"PEM CA bundle that signed the server's certificate: connect over TLS (${ENV['tls_ca']})")
+    g.add_argument("--tls-cert", default=os.environ.get(ENV["tls_cert"]),
+                   help=f"PEM client certificate, for an mTLS server (${ENV['tls_cert']})")
+    g.add_argument("--tls-key", default=os.environ.get(ENV["tls_key"]),
+                   help=f"PEM private key of --tls-cert (${ENV['tls_key']})")
+    if wait:
+        g.add_argument("--wait", type=float, default=600.0, metavar="S",
+                       help="wait up to S seconds for a server that is still starting (0: fail at once)")
+
+
+def connection_options(args) -> dict:
+    """TeacherClient keyword arguments from the connection options; ValueError naming a bad one."""
+    token = args.token
+    if args.token_file:
+        try:
+            token = Path(args.token_file).read_text().strip().splitlines()[0].strip()
+        except (OSError, IndexError) as e:
+            raise ValueError(f"--token-file {args.token_file}: {getattr(e, 'strerror', None) or 'empty'}") from None
+    if bool(args.tls_cert) != bool(args.tls_key):
+        raise ValueError("--tls-cert and --tls-key go together")
+    for flag in ("tls_ca", "tls_cert", "tls_key"):
+        path = getattr(args, flag)
+        if path and not Path(path).is_file():
+            raise ValueError(f"--{flag.replace('_', '-')} {path}: no such file")
+    opts = {"token": token or None}
+    if args.tls_ca or args.tls_cert:
+        opts.update(tls=True, root_certificates=args.tls_ca, certificate_chain=args.tls_cert,
+                    private_key=args.tls_key)
+    return opts
+
+
+def connect(args):
+    """A TeacherClient to args.address, once the server is ready (saying so on stderr when it waits)."""
+    from . import LogitServeError, TeacherClient
+
+    client = TeacherClient(with_port(args.address), **connection_options(args))
+    try:
+        client.wait_ready(0.5)
+    except LogitServeError as e:
+        if e.code.name not in ("UNAVAILABLE", "DEADLINE_EXCEEDED") or args.wait <= 0.5:
+            client.close()
+            raise
+        print(f"logitserve: {args.address} is not ready yet ({e.details}); waiting up to {args.wait:g} s "
+              f"(--wait)", file=sys.stderr, flush=True)
+        try:
+            client.wait_ready(args.wait)
+        except BaseException:
+            client.close()
+            raise
+    return client
+
+
+def add_parsers(sub, formatter) -> None:
+    p = sub.add_parser("info", help="print a server's model info", formatter_class=formatter)
+    p.add_argument("address", help=f"host[:port] of the server (port {DEFAULT_PORT} when omitted)")
+    add_connection_args(p)
+    q = sub.add_parser("query", help="print token logprobs and top-k for some token ids or a text",
+                       formatter_class=formatter)
+    q.add_argument("address", help=f"host[:port] of the server (port {DEFAULT_PORT} when omitted)")
+    given = q.add_mutually_exclusive_group(required=True)
+    given.add_argument("--ids", help="token ids separated by commas or spaces, e.g. 1,5,9 or '1 5 9'")
+    given.add_argument("--text", help="a text for the server to tokenize with the model's tokenizer")
+    q.add_argument("--topk", type=int, default=5, help="top-k next tokens shown per position")
+    q.add_argument("--temperature", type=float, default=1.0, help="T > 0: logprobs of z/T")
+    add_connection_args(q)
+    h = sub.add_parser("health", help="exit 0 when a server's grpc.health.v1 says SERVING (Docker HEALTHCHECK)",
+                       formatter_class=formatter)
+    h.add_argument("address", nargs="?", default=f"127.0.0.1:{DEFAULT_PORT}", help="host[:port] of the server")
+    h.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the answer")
+    add_connection_args(h, wait=False)
+    c = sub.add_parser("capture", help="capture a teacher's top-k for a jsonl dataset into safetensors shards",
+                       formatter_class=formatter)
+    c.add_argument("address", help=f"host[:port] of the server (port {DEFAULT_PORT} when omitted)")
+    c.add_argument("--input", required=True, help='jsonl: {"ids": [...]} or {"text": "..."} per line')
+    c.add_argument("--out", required=True, help="directory of shards + manifest.json; a rerun resumes")
+    c.add_argument("--topk", type=int, default=64, help="top-k size stored per position")
+    c.add_argument("--logprobs", action="store_true", help="also the token logprobs")
+    c.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="top-k values on disk")
+    c.add_argument("--temperature", type=float, default=1.0, help="T > 0: outputs of z/T")
+    c.add_argument("--shard-samples", type=int, default=256, help="samples per shard file")
+    c.add_argument("--batch-samples", type=int, default=16, help="samples per request")
+    c.add_argument("--in-flight", type=int, default=4, help="requests on the stream at once")
+    c.add_argument("--verify", type=int, default=0, metavar="N", help="then re-check N random samples live")
+    c.add_argument("--no-progress", action="store_true", help="no progress line on stderr")
+    add_connection_args(c)
+
+
+def parse_ids(text: str) -> list[int]:
+    parts = [x for x in re.split(r"[,\s]+", text.strip()) if x]
+    bad = next((x for x in parts if not re.fullmatch(r"\d+", x)), None)
+    if bad is not None or not parts:
+        raise ValueError(f"--ids: {bad!r} is not a token id (non-negative integers, separated by commas or "
+                         f"spaces)" if bad is not None else "--ids: no token id given")
+    return [int(x) for x in parts]
+
+
+def cmd_info(args) -> int:
+    with connect(args) as c:
+        info = c.model_info(timeout=30)
+    fields = {k: v for k, v in info.__dict__.items() if k != "ranks"}
+    width = max(len(k) for k in fields)
+    for key, value in fields.items():
+        print(f"{key:>{width}}: {value if value not in ('', None) else '-'}")
+    ranks = [dict(r) if not isinstance(r, dict) else r for r in info.ranks]
+    if ranks:
+        cols = list(ranks[0])
+        print("\nranks:")
+        print("  " + "  ".join(f"{c:>10}" for c in cols))
+        for r in ranks:
+            print("  " + "  ".join(f"{str(r.get(c, '')):>10}" for c in cols))
+    return 0
+
+
+def cmd_query(args) -> int:
+    seq = args.text if args.text is not None else parse_ids(args.ids)
+    with connect(args) as c:
+        r = c.forward([seq], temperature=args.temperature, logprobs=True, topk=args.topk, topk_as_logprobs=True)
+    ids = r.input_ids[0].tolist() if args.text is not None else seq
+    lp, vals, top = r.logprobs[0], r.topk_values[0], r.topk_ids[0]
+    print(f"model {r.model.name} ({r.model.content_hash}), temperature {r.applied.temperature}")
+    print(f"{'pos':>4} {'token':>8} {'logprob':>10}   top-{args.topk} next tokens (id:logprob)")
+    for t, tok in enumerate(ids):
+        cells = "  ".join(f"{int(i)}:{v:.3f}" for i, v in zip(top[t], vals[t]))
+        print(f"{t:>4} {tok:>8} {lp[t]:>10.4f}   {cells}")
+    return 0
+
+
+def _varint_field_1(data: bytes) -> int:
+    """Field 1 (a varint) of a protobuf message: HealthCheckResponse.status, without grpc_health installed."""
+    i = 0
+    while i < len(data):
+        key, i = _varint(data, i)
+        if key == (1 << 3):
+            return _varint(data, i)[0]
+        if key & 7 == 0:
+            i = _varint(data, i)[1]
+        elif key & 7 == 2:
+            n, i = _varint(data, i)
+            i += n
+        else:
+            break
+    return 0
+
+
+def _varint(data: bytes, i: int) -> tuple[int, int]:
+    value, shift = 0, 0
+    while True:
+        b = data[i]
+        value |= (b & 0x7F) << shift
+        i += 1
+        if not b & 0x80:
+            return value, i
+        shift += 7
+
+
+def cmd_health(args) -> int:
+    """grpc.health.v1 Check with an empty request; the response decoded by hand (no grpcio-health-checking)."""
+    import grpc
+
+    address = with_port(args.address)
+    opts = connection_options(args)
+    if opts.get("tls"):
+        read = lambda p: Path(p).read_bytes() if p else None   # noqa: E731
+        creds = grpc.ssl_channel_credentials(read(args.tls_ca), read(args.tls_key), read(args.tls_cert))
+        channel = grpc.secure_channel(address, creds)
+    else:
+        channel = grpc.insecure_channel(address)
+    with channel:
+        check = channel.unary_unary("/grpc.health.v1.Health/Check", request_serializer=None,
+                                    response_deserializer=None)
+        try:
+            status = _varint_field_1(check(b"", timeout=args.timeout))
+        except grpc.RpcError as e:
+            print(f"{args.address}: {e.code().name}", file=sys.stderr)
+            return 1
+    print(f"{args.address}: {HEALTH_STATUS.get(status, status)}")
+    return 0 if status == 1 else 1
+
+
+def cmd_capture(args) -> int:
+    import time
+
+    import importlib.util
+
+    from .capture import CaptureConfig, capture, verify
+
+    missing = [m for m in ("safetensors", "tqdm") if importlib.util.find_spec(m) is None]
+    if missing:
+        print(f"logitserve capture needs the capture extra ({', '.join(missing)} missing here): "
+              f"pip install 'logitserve[capture]'", file=sys.stderr)
+        return 2
+    cfg = CaptureConfig(topk=args.topk, logprobs=args.logprobs, dtype=args.dtype, temperature=args.temperature,
+                        shard_samples=args.shard_samples, batch_samples=args.batch_samples, in_flight=args.in_flight)
+    t0 = time.perf_counter()
+    with connect(args) as c:
+        manifest = capture(c, args.input, args.out, cfg, progress=not args.no_progress)
+        took = time.perf_counter() - t0
+        shards = sorted(Path(args.out).glob("shard-*.safetensors"))
+        print(f"captured {manifest['input']['samples']} samples into {len(shards)} shards in {took:.1f} s "
+              f"({sum(f.stat().st_size for f in shards) / 2**20:.1f} MiB) under {args.out}")
+        if args.verify:
+            print(f"verified {args.verify} samples against the live teacher: max |diff| "
+                  f"{verify(c, args.out, args.verify):.3g}")
+    return 0
+
+
+COMMANDS = {"info": cmd_info, "query": cmd_query, "health": cmd_health, "capture": cmd_capture}

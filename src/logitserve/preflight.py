@@ -1,0 +1,65 @@
+"""Start-up checks before anything loads or any rank starts, each failing with one line that says what to do."""
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Optional
+
+
+class StartupError(ValueError):
+    """A configuration that cannot serve; its message is the whole story (no traceback needed)."""
+
+
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+def check_model_dir(path: Optional[str]) -> None:
+    """--model names a local Hugging Face directory with config.json and weights (serving never downloads)."""
+    if path is None:
+        return
+    p = Path(path)
+    if not p.exists():
+        if _HUB_ID.match(path) and not path.startswith((".", "/")):
+            raise StartupError(f"--model {path}: no such local directory. Serving is offline and never downloads; "
+                               f"if this is a Hugging Face Hub id, download it first, e.g. `hf download {path} "
+                               f"--local-dir ./{path.split('/')[-1]}`, then pass --model ./{path.split('/')[-1]}")
+        raise StartupError(f"--model {path}: no such directory")
+    if not p.is_dir():
+        raise StartupError(f"--model {path}: not a directory (give the directory holding config.json and "
+                           f"*.safetensors)")
+    config = p / "config.json"
+    if not config.is_file():
+        raise StartupError(f"--model {path}: no config.json in it; a Hugging Face model directory holds "
+                           f"config.json and *.safetensors (`logitserve export-demo DIR` writes an example)")
+    try:
+        data = json.loads(config.read_text())
+    except (OSError, ValueError) as e:
+        raise StartupError(f"--model {path}: config.json is not readable JSON ({e})") from None
+    if not isinstance(data, dict) or "model_type" not in data:
+        raise StartupError(f"--model {path}: config.json has no model_type; is this a transformers model directory?")
+    if not any(p.glob("*.safetensors")):
+        hint = " (only *.bin: convert to safetensors)" if any(p.glob("*.bin")) else ""
+        raise StartupError(f"--model {path}: no weights (*.safetensors) in it{hint}")
+
+
+def check_layout(path: Optional[str], demo: str, demo_shape: str, tp: int, cp: int) -> None:
+    """tp x cp must split this model: checked from its config before any rank starts."""
+    if tp < 1 or cp < 1:
+        raise StartupError(f"--tp {tp} and --cp {cp} must be >= 1")
+    if tp == 1:
+        return
+    from .tp_plan import check_layout as check_tp
+
+    if path is None:
+        from .demo import demo_config
+
+        config = demo_config(demo, demo_shape)
+    else:
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(path, local_files_only=True)
+    try:
+        check_tp(config, tp)
+    except ValueError as e:
+        raise StartupError(str(e)) from None
