@@ -113,11 +113,35 @@ def _missing_server_extras() -> list[str]:
     return [m for m in SERVER_MODULES if importlib.util.find_spec(m) is None]
 
 
+def _broken_extras() -> list[str]:
+    """One line per gRPC extra that is installed but does not load: its generated code needs a newer protobuf
+    than the one installed (what adding tritonclient, which pins protobuf < 7, after logitserve does)."""
+    import importlib
+
+    lines = []
+    for module, package in (("grpc_health.v1.health_pb2", "grpcio-health-checking"),
+                            ("grpc_reflection.v1alpha.reflection_pb2", "grpcio-reflection")):
+        try:
+            importlib.import_module(module)
+        except Exception as e:   # noqa: BLE001 (google.protobuf.runtime_version.VersionError, ImportError)
+            from google.protobuf import __version__ as protobuf
+
+            pin = f"'{package}<1.82'" if protobuf.startswith("6.") else f"a {package} built for protobuf {protobuf}"
+            lines.append(f"logitserve serve: {package} does not load with the installed protobuf {protobuf} "
+                         f"({str(e).splitlines()[0][:160]}); another install moved protobuf under it (tritonclient "
+                         f"pins protobuf < 7). Pin it: pip install {pin}")
+    return lines
+
+
 def _cmd_serve(args, argv: list[str]) -> int:
     missing = _missing_server_extras()
     if missing:
         print(f"logitserve serve needs the server extras, missing here: {', '.join(missing)}.\n"
               f"Install them with: {INSTALL_SERVER}", file=sys.stderr)
+        return 2
+    broken = _broken_extras()
+    if broken:
+        print("\n".join(broken), file=sys.stderr)
         return 2
     import torch
     from transformers.utils import logging as hf_logging

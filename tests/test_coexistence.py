@@ -103,3 +103,34 @@ def test_server_resolves_beside_vllm_ray_and_tritonclient_without_moving_them(tm
     assert both["logitserve"] and both["vllm"] == "0.33.0" and both["ray"] == "2.60.0"
     moved = {p: (alone.get(p), both.get(p)) for p in SHARED if alone.get(p) != both.get(p)}
     assert not moved, f"adding logitserve[server] moved the environment's own pins: {moved}"
+
+
+def test_tritonclient_added_after_the_server_leaves_a_server_or_one_line_saying_what_to_pin(tmp_path):
+    """The common order: logitserve[server] first, tritonclient later (it moves protobuf under 7). Then serve
+    either serves or says in one line which package to pin; after that pin it serves."""
+    env = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(env)], check=True)
+    python = str(env / "bin" / "python")
+    pip = [python, "-m", "pip", "install", "-q"]
+    subprocess.run(pip + ["torch==2.13.0"], check=True, timeout=600)
+    subprocess.run(pip + [f"{ROOT}[server]"], check=True, timeout=600)
+    subprocess.run(pip + ["tritonclient[grpc]==2.73.0"], check=True, timeout=600)
+    probe = subprocess.run([python, "-c", "from logitserve.server.cli import _broken_extras as b; print(repr(b()))"],
+                           capture_output=True, text=True, timeout=120)
+    assert probe.returncode == 0, probe.stderr[-2000:]
+    broken = eval(probe.stdout.strip())
+    print("\nafter tritonclient:", broken or "every extra loads")
+    if broken:
+        run = subprocess.run([python, "-m", "logitserve.server.cli", "serve", "--port", "0"], capture_output=True,
+                             text=True, timeout=120)
+        assert run.returncode == 2 and "Traceback" not in run.stderr, run.stderr[-2000:]
+        assert len(run.stderr.strip().splitlines()) == len(broken) and "Pin it: pip install" in run.stderr
+        pins = [line.split("Pin it: pip install ", 1)[1].strip("'") for line in broken]
+        subprocess.run(pip + pins, check=True, timeout=600)
+    server = CliServer("--logprob-chunk-size", "64", python=python)
+    try:
+        out = subprocess.run([python, "-m", "logitserve.server.cli", "query", server.address, "--ids", "1 5 9"],
+                             capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr[-2000:]
+    finally:
+        assert server.stop() == 0
