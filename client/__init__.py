@@ -2,11 +2,11 @@
 from logitserve.tokens import tokenizer_hash
 
 from .aio import AsyncTeacherClient
-from .api import ModelInfo
+from .api import Detokenized, ModelInfo
 from .assemble import Applied, ForwardResult, ModelIdentity
 from .errors import LogitServeError
 from .sync import TeacherClient
 from .wire import Wanted
 
-__all__ = ["TeacherClient", "AsyncTeacherClient", "LogitServeError", "ForwardResult", "ModelInfo",
+__all__ = ["TeacherClient", "AsyncTeacherClient", "LogitServeError", "ForwardResult", "ModelInfo", "Detokenized",
            "Applied", "ModelIdentity", "Wanted", "tokenizer_hash"]

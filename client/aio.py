@@ -13,7 +13,7 @@ import grpc
 from logitserve.v1 import logitserve_pb2 as pb
 from logitserve.v1 import logitserve_pb2_grpc as pb_grpc
 
-from .api import ModelInfo, OutputsMixin, model_info_of
+from .api import Detokenized, ModelInfo, OutputsMixin, model_info_of
 from .assemble import Assembly, wanted_fields
 from .errors import LogitServeError
 from .wire import Wanted, build_request
@@ -131,6 +131,15 @@ class AsyncTeacherClient(OutputsMixin):
                                                             metadata=self._metadata))
         except grpc.RpcError as e:
             raise LogitServeError.from_rpc(e) from None
+
+    async def detokenize(self, ids: Sequence[int], timeout: Optional[float] = None) -> Detokenized:
+        """The ids as the server's tokenizer spells them (FAILED_PRECONDITION where the model has none)."""
+        try:
+            r = await self._stub.Detokenize(pb.DetokenizeRequest(ids=[int(x) for x in ids]),
+                                            timeout=timeout or self._default_timeout, metadata=self._metadata)
+        except grpc.RpcError as e:
+            raise LogitServeError.from_rpc(e) from None
+        return Detokenized(tuple(r.tokens), tuple(r.texts), None if r.unk_token_id < 0 else int(r.unk_token_id))
 
     def _request(self, seqs: Sequence, wanted: Wanted, pick, bf16_as_torch: bool = False):
         async def run():

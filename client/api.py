@@ -97,6 +97,13 @@ class OutputsMixin:
         return self._request(seqs, Wanted(scores=True), lambda r: r.scores)
 
 
+@dataclass(frozen=True)
+class Detokenized:
+    tokens: tuple[str, ...]          # each id's vocabulary entry
+    texts: tuple[str, ...]           # each id decoded alone
+    unk_token_id: Optional[int]      # the tokenizer's unknown token, None when it has none
+
+
 def model_info_of(msg) -> ModelInfo:
     from logitserve.v1 import logitserve_pb2 as pb
 

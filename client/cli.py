@@ -146,17 +146,39 @@ def cmd_info(args) -> int:
 
 
 def cmd_query(args) -> int:
+    """Token, its text (where the server has a tokenizer), logprob and top-k; a warning when --text hit <unk>."""
+    from . import LogitServeError
+
     seq = args.text if args.text is not None else parse_ids(args.ids)
     with connect(args) as c:
         r = c.forward([seq], temperature=args.temperature, logprobs=True, topk=args.topk, topk_as_logprobs=True)
-    ids = r.input_ids[0].tolist() if args.text is not None else seq
+        ids = r.input_ids[0].tolist() if args.text is not None else seq
+        try:
+            d = c.detokenize(ids)
+            words, unk = d.texts, d.unk_token_id
+        except LogitServeError as e:       # no tokenizer (FAILED_PRECONDITION): ids only
+            if e.code.name != "FAILED_PRECONDITION":
+                raise
+            words, unk = (), None
+    if args.text is not None and unk is not None and unk in ids:
+        n = ids.count(unk)
+        print(f"logitserve: warning: {n} of the text's {len(ids)} tokens are the unknown token (id {unk}): the "
+              f"model's tokenizer does not know those words", file=sys.stderr)
     lp, vals, top = r.logprobs[0], r.topk_values[0], r.topk_ids[0]
     print(f"model {r.model.name} ({r.model.content_hash}), temperature {r.applied.temperature}")
-    print(f"{'pos':>4} {'token':>8} {'logprob':>10}   top-{args.topk} next tokens (id:logprob)")
+    text_col = f" {'text':>12}" if words else ""
+    print(f"{'pos':>4} {'token':>8}{text_col} {'logprob':>10}   top-{args.topk} next tokens (id:logprob)")
     for t, tok in enumerate(ids):
         cells = "  ".join(f"{int(i)}:{v:.3f}" for i, v in zip(top[t], vals[t]))
-        print(f"{t:>4} {tok:>8} {lp[t]:>10.4f}   {cells}")
+        word = f" {_shown(words[t]):>12}" if words else ""
+        print(f"{t:>4} {tok:>8}{word} {lp[t]:>10.4f}   {cells}")
     return 0
+
+
+def _shown(text: str) -> str:
+    """A token's text in one table cell: quoted, control characters escaped, at most 12 characters."""
+    cell = repr(text)
+    return cell if len(cell) <= 12 else cell[:11] + "…"
 
 
 def _varint_field_1(data: bytes) -> int:

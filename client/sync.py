@@ -63,6 +63,10 @@ class TeacherClient(OutputsMixin):
     def model_info(self, timeout: float | None = None) -> ModelInfo:
         return self._run(self._aio.model_info(timeout))
 
+    def detokenize(self, ids: Sequence[int], timeout: float | None = None):
+        """The ids as the server's tokenizer spells them (a Detokenized)."""
+        return self._run(self._aio.detokenize(ids, timeout))
+
     def submit(self, seqs: Sequence, wanted: Wanted, bf16_as_torch: bool = False) -> concurrent.futures.Future:
         """Send a request without waiting: many can be in flight on the one stream; cancel() reaches the server."""
         return asyncio.run_coroutine_threadsafe(self._aio.submit(seqs, wanted, bf16_as_torch), self._loop)

@@ -77,6 +77,17 @@ class LogitServeServicer(pb_grpc.LogitServeServicer):
         info.shared_prefix_tokens = self._shared_total
         return info
 
+    async def Detokenize(self, request, context):
+        from logitserve.tokenizing import detokenize
+
+        try:
+            if self._text is None:
+                raise NotSupported("ids", "this model directory ships no tokenizer")
+            tokens, texts, unk = detokenize(self._text, list(request.ids), self._info.vocab_size)
+        except Exception as e:   # noqa: BLE001 (its status, in one place)
+            await context.abort(*to_status(e))
+        return pb.DetokenizeResponse(tokens=tokens, texts=texts, unk_token_id=unk)
+
     def count_shared(self, tokens: int) -> None:
         """Prompt tokens a request did not compute thanks to a shared prefix (ModelInfo's total, a counter)."""
         self._shared_total += tokens

@@ -25,15 +25,16 @@ def test_query_prints_a_table_of_logprobs_and_topk(demo_cli_server):
     out = _cli("query", demo_cli_server.address, "--ids", "1,5,9,200", "--topk", "3")
     rows = [line.split() for line in out.splitlines() if line.strip() and line.split()[0].isdigit()]
     assert [r[1] for r in rows] == ["1", "5", "9", "200"]
-    assert float(rows[0][2]) == 0.0 and all(float(r[2]) < 0 for r in rows[1:])
-    assert all(len(r) == 3 + 3 for r in rows)   # pos, token, logprob, 3 x id:logprob
+    assert [r[2] for r in rows] == ["'<s>'", "'t5'", "'t9'", "'t200'"]      # each token's text (Detokenize)
+    assert float(rows[0][3]) == 0.0 and all(float(r[3]) < 0 for r in rows[1:])
+    assert all(len(r) == 4 + 3 for r in rows)   # pos, token, text, logprob, 3 x id:logprob
 
 
 def test_query_of_a_text_prints_the_ids_the_server_tokenized(demo_cli_server):
     out = _cli("query", demo_cli_server.address, "--text", "t5 t9 t200", "--topk", "2")
     rows = [line.split() for line in out.splitlines() if line.strip() and line.split()[0].isdigit()]
     assert [int(r[1]) for r in rows] == [1, 5, 9, 200]          # the demo tokenizer adds BOS (id 1)
-    assert float(rows[0][2]) == 0.0 and all(float(r[2]) < 0 for r in rows[1:])
+    assert float(rows[0][3]) == 0.0 and all(float(r[3]) < 0 for r in rows[1:])
 
 
 def test_query_of_a_bad_id_prints_the_status_and_fails(demo_cli_server):

@@ -105,3 +105,38 @@ def test_cli_polish():
     for flag in ("--topk", "--temperature", "--token", "--token-file", "--tls-ca", "--tls-cert", "--tls-key"):
         assert flag in query
     assert "(default: 5)" in query and "LOGITSERVE_TOKEN" in query
+
+
+def test_detokenize_spells_ids_as_the_models_tokenizer_does(demo_cli_server, model_dirs):
+    from transformers import AutoTokenizer
+
+    from logitserve.client import LogitServeError, TeacherClient
+    from logitserve.demo import demo_dir
+
+    ref = AutoTokenizer.from_pretrained(demo_dir("causal"), local_files_only=True)
+    ids = [1, 5, 9, 200, 0, 31999]
+    with TeacherClient(demo_cli_server.address) as c:
+        d = c.detokenize(ids)
+        with pytest.raises(LogitServeError) as bad:
+            c.detokenize([3, 32000])
+    assert list(d.tokens) == ref.convert_ids_to_tokens(ids)
+    assert list(d.texts) == [ref.decode([x]) for x in ids] and d.unk_token_id == ref.unk_token_id == 0
+    assert bad.value.code.name == "INVALID_ARGUMENT" and "ids[1]: 32000 is outside [0, 32000)" in bad.value.details
+    from conftest import serve_dir
+
+    bare = serve_dir(model_dirs["llama"])             # a directory without tokenizer files
+    try:
+        with TeacherClient(bare.address) as c, pytest.raises(LogitServeError) as none:
+            c.detokenize([1])
+        assert none.value.code.name == "FAILED_PRECONDITION"
+    finally:
+        bare.stop()
+
+
+def test_query_shows_each_tokens_text_and_warns_about_unknown_words(demo_cli_server):
+    run = subprocess.run([sys.executable, "-m", "logitserve.server.cli", "query", demo_cli_server.address,
+                          "--text", "t5 hello t9"], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert "warning: 1 of the text's" in run.stderr and "unknown token (id 0)" in run.stderr
+    rows = [line.split() for line in run.stdout.splitlines() if line.strip() and line.split()[0].isdigit()]
+    assert [r[2] for r in rows][-3:] == ["'t5'", "'<unk>'", "'t9'"], run.stdout

@@ -31,6 +31,23 @@ class TextEncoder:
         return out
 
 
+MAX_DETOKENIZE = 1 << 16
+
+
+def detokenize(encoder: TextEncoder, ids: Sequence[int], vocab_size: int) -> tuple[list[str], list[str], int]:
+    """(vocabulary entries, each id decoded alone, unk id or -1); ids are checked against [0, V) first."""
+    if len(ids) > MAX_DETOKENIZE:
+        raise InvalidRequest("ids", f"{len(ids)} ids; at most {MAX_DETOKENIZE} per call")
+    for i, x in enumerate(ids):
+        if not 0 <= x < vocab_size:
+            raise InvalidRequest(f"ids[{i}]", f"{x} is outside [0, {vocab_size})")
+    tok = encoder.tokenizer
+    tokens = [t if t is not None else "" for t in tok.convert_ids_to_tokens(list(ids))]
+    texts = [tok.decode([x]) for x in ids]
+    unk = tok.unk_token_id
+    return tokens, texts, -1 if unk is None else int(unk)
+
+
 def load_tokenizer(directory: Path) -> Optional[TextEncoder]:
     """The directory's tokenizer, or None where it ships none (requests must then carry ids)."""
     if not any((Path(directory) / f).exists() for f in TOKENIZER_FILES):
