@@ -140,3 +140,32 @@ def test_query_shows_each_tokens_text_and_warns_about_unknown_words(demo_cli_ser
     assert "warning: 1 of the text's" in run.stderr and "unknown token (id 0)" in run.stderr
     rows = [line.split() for line in run.stdout.splitlines() if line.strip() and line.split()[0].isdigit()]
     assert [r[2] for r in rows][-3:] == ["'t5'", "'<unk>'", "'t9'"], run.stdout
+
+
+def test_a_real_client_only_venv_runs_every_client_command(demo_cli_server, tmp_path):
+    """`pip install logitserve` (no extras) in a fresh venv: health, info and query work; serve, export-demo and
+    capture each say in one line which extra to install (torch pinned)."""
+    from pathlib import Path
+
+    root = Path(__file__).parent.parent
+    env = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(env)], check=True, timeout=120)
+    python = str(env / "bin" / "python")
+    subprocess.run([python, "-m", "pip", "install", "-q", str(root)], check=True, timeout=600)
+    cli = str(env / "bin" / "logitserve")
+    missing = subprocess.run([python, "-c", "import torch"], capture_output=True)
+    assert missing.returncode != 0                                  # really client-only
+
+    def run(*args):
+        return subprocess.run([cli, *args], capture_output=True, text=True, timeout=120)
+
+    assert "SERVING" in run("health", demo_cli_server.address).stdout
+    assert "vocab_size: 32000" in run("info", demo_cli_server.address).stdout
+    q = run("query", demo_cli_server.address, "--ids", "1 5 9")
+    assert q.returncode == 0 and "'t5'" in q.stdout, q.stderr
+    for args, needs in ((("serve",), "pip install torch==2.13.0 && pip install 'logitserve[server]'"),
+                        (("export-demo", str(tmp_path / "d")), "pip install torch==2.13.0"),
+                        (("capture", demo_cli_server.address, "--input", "x", "--out", str(tmp_path / "o")),
+                         "pip install 'logitserve[capture]'")):
+        r = run(*args)
+        assert r.returncode == 2 and needs in r.stderr and "Traceback" not in r.stderr, (args, r.stderr)
