@@ -216,8 +216,10 @@ def cmd_health(args) -> int:
     address = with_port(args.address)
     opts = connection_options(args)
     if opts.get("tls"):
-        read = lambda p: Path(p).read_bytes() if p else None   # noqa: E731
-        creds = grpc.ssl_channel_credentials(read(args.tls_ca), read(args.tls_key), read(args.tls_cert))
+        from .aio import _pem
+
+        creds = grpc.ssl_channel_credentials(_pem(opts["root_certificates"]), _pem(opts["private_key"]),
+                                             _pem(opts["certificate_chain"]))
         channel = grpc.secure_channel(address, creds)
     else:
         channel = grpc.insecure_channel(address)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import hashlib
 import threading
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 UNKNOWN = "unknown"
 
@@ -49,51 +49,62 @@ def client_of(context) -> str:
         return UNKNOWN
 
 
+class Tally:
+    """A quantity held server-wide and per client (its callers hold their own lock)."""
+
+    def __init__(self):
+        self.total = 0
+        self._by: dict[str, int] = {}
+
+    def of(self, client: str) -> int:
+        return self._by.get(client, 0)
+
+    def add(self, client: str, n: int = 1) -> None:
+        self.total += n
+        self._by[client] = self.of(client) + n
+
+    def remove(self, client: str, n: int = 1) -> None:
+        self.total -= n
+        left = self.of(client) - n
+        if left > 0:
+            self._by[client] = left
+        else:
+            self._by.pop(client, None)
+
+
 class Clients:
     """Streams and requests in flight per client; `open_stream`/`start` return a refusal message or None."""
 
     def __init__(self, limits: ClientLimits = ClientLimits()):
         self.limits = limits
         self._lock = threading.Lock()
-        self._streams: dict[str, int] = {}
-        self._in_flight: dict[str, int] = {}
+        self._streams = Tally()
+        self._in_flight = Tally()
+
+    def _take(self, tally: Tally, client: str, limit: int, refusal: Callable[[int], str]) -> Optional[str]:
+        with self._lock:
+            n = tally.of(client)
+            if n >= limit:
+                return refusal(n)
+            tally.add(client)
+            return None
 
     def open_stream(self, client: str) -> Optional[str]:
-        with self._lock:
-            n = self._streams.get(client, 0)
-            if n >= self.limits.max_streams:
-                return (f"streams: this client ({client}) holds {n} open, the server's --max-streams-per-client "
-                        f"is {self.limits.max_streams}; share a stream or close idle ones")
-            self._streams[client] = n + 1
-            return None
+        limit = self.limits.max_streams
+        return self._take(self._streams, client, limit, lambda n: (
+            f"streams: this client ({client}) holds {n} open, the server's --max-streams-per-client is {limit}; "
+            f"share a stream or close idle ones"))
 
     def close_stream(self, client: str) -> None:
         with self._lock:
-            _decrement(self._streams, client)
+            self._streams.remove(client)
 
     def start(self, client: str) -> Optional[str]:
-        with self._lock:
-            n = self._in_flight.get(client, 0)
-            if n >= self.limits.max_in_flight:
-                return (f"requests in flight: this client ({client}) has {n}, the server's "
-                        f"--max-in-flight-per-client is {self.limits.max_in_flight}; wait for some to finish")
-            self._in_flight[client] = n + 1
-            return None
+        limit = self.limits.max_in_flight
+        return self._take(self._in_flight, client, limit, lambda n: (
+            f"requests in flight: this client ({client}) has {n}, the server's --max-in-flight-per-client is "
+            f"{limit}; wait for some to finish"))
 
     def end(self, client: str) -> None:
         with self._lock:
-            _decrement(self._in_flight, client)
-
-    def snapshot(self) -> dict[str, tuple[int, int]]:
-        """client -> (streams, requests in flight), for metrics and tests."""
-        with self._lock:
-            names = set(self._streams) | set(self._in_flight)
-            return {c: (self._streams.get(c, 0), self._in_flight.get(c, 0)) for c in names}
-
-
-def _decrement(counts: dict[str, int], client: str) -> None:
-    n = counts.get(client, 0) - 1
-    if n > 0:
-        counts[client] = n
-    else:
-        counts.pop(client, None)
+            self._in_flight.remove(client)

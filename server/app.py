@@ -166,7 +166,7 @@ def memory_estimator(loaded: LoadedModel, config: ServerConfig, vocab_local: int
     window = STREAM_WINDOW * config.max_message_bytes   # encoded messages a stream may hold
 
     def estimate(job: Job) -> int:   # pack_tokens: a packed body's tokens (Engine.pack_tokens), 0 in exact mode
-        return estimate_peak_bytes(job, dims, config.engine.chunk_size, 0, window,   # buffers: Scheduler.hold_of
+        return estimate_peak_bytes(job, dims, config.engine.chunk_size, 0, window,   # buffers: Scheduler._hold
                                    pack_tokens, config.engine.min_shared_prefix > 0)
 
     budget = config.scheduler.memory_budget_bytes

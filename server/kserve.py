@@ -24,6 +24,7 @@ import grpc
 import numpy as np
 import torch
 
+from logitserve.cost import WIRE_BYTES
 from logitserve.engine import SharedTokens
 from logitserve.errors import InvalidRequest, OverLimit, Unavailable
 from logitserve.kserve import grpc_predict_v2_pb2 as kpb
@@ -196,7 +197,7 @@ def dense_bytes(job: Job, names: list[str], vocab: int, num_labels: int) -> int:
     rows = max((max(0, b - a) for a, b in (job.token_rows(i) for i in range(B))), default=0)
     per_row = {"token_logprobs": 4, "topk_tail": 4}
     if job.topk is not None:
-        per_row["topk_values"] = job.topk.k * {WireDType.FP32: 4}.get(job.topk.dtype, 2)
+        per_row["topk_values"] = job.topk.k * WIRE_BYTES[job.topk.dtype]
         per_row["topk_ids"] = job.topk.k * 4
     if job.candidates is not None:
         per_row["candidate_logprobs"] = max((c.shape[1] for c in job.candidates), default=0) * 4
@@ -349,8 +350,8 @@ class KServeServicer(kpb_grpc.GRPCInferenceServiceServicer):
                                     f"less 64 KiB for framing); ask for fewer sequences or a smaller slice per "
                                     f"request, or use the streaming API (logitserve.v1.LogitServe/Forward), "
                                     f"which chunks any answer")
-                self._native.check_cost(job)
-                return await self._answer(request, job, names, timeout, client, 2 * size), None
+                cost = self._native.check_cost(job)
+                return await self._answer(request, job, names, timeout, client, 2 * size, cost), None
         except asyncio.CancelledError:
             status = grpc.StatusCode.CANCELLED
             if self._native.ending:             # the grace period is over: say so
@@ -367,11 +368,11 @@ class KServeServicer(kpb_grpc.GRPCInferenceServiceServicer):
                     time.monotonic() - started)
 
     async def _answer(self, request: kpb.ModelInferRequest, job: Job, names: list[str],
-                      timeout: Optional[float], client: str, hold: int) -> kpb.ModelInferResponse:
+                      timeout: Optional[float], client: str, hold: int, cost) -> kpb.ModelInferResponse:
         """`hold`: the dense arrays and their serialized copy, reserved in the memory budget with the job."""
         dense = _Dense(len(job.sequences))
         async with asyncio.timeout(timeout):
-            async for piece in self._scheduler.stream(job, client, hold):
+            async for piece in self._scheduler.stream(job, client, hold, cost):
                 if isinstance(piece, SharedTokens):
                     self._native.count_shared(piece.tokens)
                     continue

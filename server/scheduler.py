@@ -34,7 +34,7 @@ from logitserve.engine import Piece, SharedTokens
 from logitserve.errors import OverLimit
 from logitserve.spec import Job
 
-from .admission import UNKNOWN
+from .admission import UNKNOWN, Tally
 from .ticket import DONE, Failed, Gone, Ticket
 
 # (jobs, skip) -> (job index, Piece, or the exception that ends that job alone)
@@ -80,10 +80,8 @@ class Scheduler:
         self._idle = idle
         self._queues: collections.OrderedDict[str, collections.deque[Ticket]] = collections.OrderedDict()
         self._cond = threading.Condition()
-        self._queued_tokens = 0      # work tokens waiting or running
-        self._client_tokens: dict[str, int] = {}
-        self._held = 0               # bytes reserved by requests admitted and not yet ended
-        self._client_held: dict[str, int] = {}
+        self._work = Tally()         # work tokens waiting or running
+        self._held = Tally()         # bytes reserved by requests admitted and not yet ended
         self._stopping = False
         self.batches_run = 0
         self._thread = threading.Thread(target=self._loop, name="logitserve-compute", daemon=True)
@@ -93,9 +91,8 @@ class Scheduler:
     def cost(self, job: Job) -> Optional[Cost]:
         return self._cost(job) if self._cost is not None else None
 
-    def hold_of(self, job: Job, extra: int = 0) -> int:
+    def _hold(self, cost: Optional[Cost], extra: int) -> int:
         """Bytes a request holds until it ends: its arrays (decoded and as received), its output buffer."""
-        cost = self.cost(job)
         if cost is None:
             return extra
         return 2 * cost.input_bytes + min(cost.output_bytes, self.config.max_buffered_bytes) + extra
@@ -104,24 +101,19 @@ class Scheduler:
         c = self.config
         if c.memory_budget_bytes is None:
             return
-        if self._held + hold + peak > c.memory_budget_bytes:
-            raise OverLimit(f"memory: {self._held / _MiB:.0f} MiB held by requests in flight + {hold / _MiB:.0f} "
+        if self._held.total + hold + peak > c.memory_budget_bytes:
+            raise OverLimit(f"memory: {self._held.total / _MiB:.0f} MiB held by requests in flight + {hold / _MiB:.0f} "
                             f"MiB for this one (+{peak / _MiB:.0f} MiB at its peak) is over --memory-budget "
                             f"{c.memory_budget_bytes / _MiB:.0f} MiB; retry later")
-        mine = self._client_held.get(client, 0)
+        mine = self._held.of(client)
         if mine + hold > c.client_budget_bytes:
             raise OverLimit(f"memory: this client ({client}) holds {mine / _MiB:.0f} MiB in requests in flight; "
                             f"+{hold / _MiB:.0f} MiB is over its share, half of --memory-budget "
                             f"({c.client_budget_bytes / _MiB:.0f} MiB); read or end some first")
 
-    def _add_hold(self, client: str, nbytes: int) -> None:
-        self._held += nbytes
-        self._client_held[client] = self._client_held.get(client, 0) + nbytes
-
     def _drop_hold(self, client: str, nbytes: int) -> None:
         with self._cond:
-            self._held -= nbytes
-            _decrease(self._client_held, client, nbytes)
+            self._held.remove(client, nbytes)
 
     @contextlib.contextmanager
     def holding(self, client: str, nbytes: int, what: str):
@@ -132,13 +124,14 @@ class Scheduler:
                             f"({c.client_budget_bytes / _MiB:.0f} MiB)")
         with self._cond:
             self._check_budget(client, nbytes, 0)
-            self._add_hold(client, nbytes)
+            self._held.add(client, nbytes)
         try:
             yield
         finally:
             self._drop_hold(client, nbytes)
 
-    def admit(self, job: Job, client: str = UNKNOWN, extra_hold: int = 0) -> Ticket:
+    def admit(self, job: Job, client: str = UNKNOWN, extra_hold: int = 0, cost: Optional[Cost] = None) -> Ticket:
+        """Queue the job or raise OverLimit; `cost`: the job's, when the caller has it already."""
         c = self.config
         peak = 0
         if c.memory_budget_bytes is not None and self._estimate is not None:
@@ -147,36 +140,36 @@ class Scheduler:
                 raise OverLimit(f"request needs ~{peak / _MiB:.0f} MiB at peak (longest sequence "
                                 f"{max(len(s) for s in job.sequences)} tokens), over --memory-budget "
                                 f"{c.memory_budget_bytes / _MiB:.0f} MiB")
-        cost = self.cost(job)
+        cost = cost or self.cost(job)
         work = cost.work_tokens if cost is not None else job.num_tokens
-        hold = self.hold_of(job, extra_hold)
+        hold = self._hold(cost, extra_hold)
         if c.memory_budget_bytes is not None and hold + peak > c.memory_budget_bytes:
             raise OverLimit(f"memory: this request needs ~{hold / _MiB:.0f} MiB held (its arrays and an output buffer "
                             f"of up to --max-buffered-bytes) + ~{peak / _MiB:.0f} MiB at its peak, over --memory-budget "
                             f"{c.memory_budget_bytes / _MiB:.0f} MiB even alone; send less per request")
         with self._cond:
-            if self._queued_tokens + work > c.max_queued_tokens:
-                raise OverLimit(f"queue full: {self._queued_tokens} tokens queued + {work} in this request > "
+            if self._work.total + work > c.max_queued_tokens:
+                raise OverLimit(f"queue full: {self._work.total} tokens queued + {work} in this request > "
                                 f"--max-queued-tokens {c.max_queued_tokens} (tokens weighted by filters and "
                                 f"top-k work); retry later")
-            mine = self._client_tokens.get(client, 0)
+            mine = self._work.of(client)
             if mine + work > c.client_queued_tokens:
                 raise OverLimit(f"queue: this client ({client}) has {mine} tokens queued + {work} in this request "
                                 f"> --max-queued-tokens-per-client {c.client_queued_tokens}; retry later")
             self._check_budget(client, hold, peak)
             bound = c.max_buffered_bytes if c.overlap else 0
             ticket = Ticket(job, client, work, hold, asyncio.get_running_loop(), bound)
-            self._queued_tokens += work
-            self._client_tokens[client] = mine + work
-            self._add_hold(client, hold)
+            self._work.add(client, work)
+            self._held.add(client, hold)
             self._queues.setdefault(client, collections.deque()).append(ticket)
             self._cond.notify()
         return ticket
 
-    async def stream(self, job: Job, client: str = UNKNOWN, extra_hold: int = 0) -> AsyncIterator[Piece]:
+    async def stream(self, job: Job, client: str = UNKNOWN, extra_hold: int = 0,
+                     cost: Optional[Cost] = None) -> AsyncIterator[Piece]:
         """Admit the job (or raise OverLimit) and yield its pieces as they are computed; `extra_hold`: bytes
         the caller holds for it beyond its buffer (KServe's dense answer)."""
-        ticket = self.admit(job, client, extra_hold)
+        ticket = self.admit(job, client, extra_hold, cost)
         try:
             while True:
                 item, nbytes = await ticket.take()
@@ -208,8 +201,7 @@ class Scheduler:
 
     def _release_work(self, tickets: list[Ticket]) -> None:
         for t in tickets:
-            self._queued_tokens -= t.work
-            _decrease(self._client_tokens, t.client, t.work)
+            self._work.remove(t.client, t.work)
 
     def queue_length(self) -> int:
         """Jobs waiting for a batch."""
@@ -218,12 +210,12 @@ class Scheduler:
 
     def queued_tokens(self) -> int:
         with self._cond:
-            return self._queued_tokens
+            return self._work.total
 
     def held_bytes(self) -> int:
         """Bytes reserved in the memory budget by requests in flight."""
         with self._cond:
-            return self._held
+            return self._held.total
 
     def shutdown(self) -> None:
         with self._cond:
@@ -339,14 +331,6 @@ class Scheduler:
                     t.put(DONE, alone(i), stall)
                 except Gone:
                     pass
-
-
-def _decrease(counts: dict[str, int], key: str, n: int) -> None:
-    left = counts.get(key, 0) - n
-    if left > 0:
-        counts[key] = left
-    else:
-        counts.pop(key, None)
 
 
 def engine_batch_runner(batch_steps) -> BatchRun:

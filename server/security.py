@@ -59,7 +59,6 @@ class TokenAuth(grpc.aio.ServerInterceptor):
 
     def __init__(self, tokens: tuple[bytes, ...]):
         self._tokens = tokens
-        self.failures = 0               # failed authentications since start-up
         self.on_failure = None          # callable(), e.g. a Prometheus counter's inc (server.metrics)
         self._unlogged = 0
         self._logged_at = float("-inf")
@@ -79,7 +78,6 @@ class TokenAuth(grpc.aio.ServerInterceptor):
 
     def _refuse(self, details: grpc.HandlerCallDetails, code: grpc.StatusCode, message: str) -> grpc.RpcMethodHandler:
         """Count it, log it (at most once per AUTH_LOG_EVERY_S), and refuse before the body is read."""
-        self.failures += 1
         self._unlogged += 1
         if self.on_failure is not None:
             self.on_failure()

@@ -122,8 +122,8 @@ class LogitServeServicer(pb_grpc.LogitServeServicer):
 
     @contextlib.contextmanager
     def tracking(self, client: str):
-        """The current task counts as a request in flight of `client` (KServe's calls: drained, ended and
-        limited like native ones); OverLimit past the client's --max-in-flight-per-client."""
+        """The current task counts as a request in flight of `client`, on either API (drained and ended on
+        shutdown); OverLimit past the client's --max-in-flight-per-client."""
         refusal = self.clients.start(client)
         if refusal is not None:
             raise OverLimit(refusal)
@@ -199,17 +199,14 @@ class LogitServeServicer(pb_grpc.LogitServeServicer):
                     await emit(codec.encode_error(rid, code, message))
                     continue
                 refusal = self._refusal(len(in_flight))
-                mine = self.clients.start(client) if refusal is None else None
-                if mine is not None:
-                    refusal = grpc.StatusCode.RESOURCE_EXHAUSTED, mine
                 if refusal is not None:
                     await emit(codec.encode_error(rid, *refusal))
                     continue
                 task = asyncio.create_task(self._serve_one(req, emit, in_flight, cancel_requested, client))
                 in_flight[rid] = task
                 tasks.add(task)
-                self._requests.add(task)
-                task.add_done_callback(lambda t: (tasks.discard(t), self._requests.discard(t), self.clients.end(client),
+                self._requests.add(task)      # now, not when it starts: a drain beginning meanwhile sees it
+                task.add_done_callback(lambda t: (tasks.discard(t), self._requests.discard(t),
                                                   out.put_nowait(_FINISHED)))
 
         # Done-callbacks run after a task is done, so each _FINISHED sees the state it announces.
@@ -262,14 +259,16 @@ class LogitServeServicer(pb_grpc.LogitServeServicer):
             raise OverLimit(f"sequences: {job.num_tokens} tokens in this request is over the server's "
                             f"--max-request-tokens {lim.max_request_tokens}")
 
-    def check_cost(self, job) -> None:
-        """OverLimit when a validated request's answer is over --max-response-bytes (before anything runs)."""
+    def check_cost(self, job):
+        """The validated request's Cost (for Scheduler.stream); OverLimit when its answer is over
+        --max-response-bytes (before anything runs)."""
         cost = self._scheduler.cost(job)
         limit = self._stream_limits.max_response_bytes
         if cost is not None and cost.output_bytes > limit:
             raise OverLimit(f"outputs: this request's answer would be {cost.output_bytes / 2**20:.0f} MiB, over the "
                             f"server's --max-response-bytes {limit / 2**20:.0f} MiB; ask for fewer sequences, a "
                             f"smaller k or a smaller full-logits slice per request")
+        return cost
 
     async def _tokenize(self, req: pb.ForwardRequest, client: str) -> tuple:
         """The texts' ids; their size is checked and their tokenizing's memory reserved before it runs."""
@@ -297,36 +296,37 @@ class LogitServeServicer(pb_grpc.LogitServeServicer):
                 self._metrics.bytes_sent.inc(msg.ByteSize())
                 await plain(msg)
         try:
-            ids = await self._tokenize(req, client) if req.texts else None
-            job = codec.decode_job(req, ids)
-            self.check_size(job)
-            try:
-                validate_job(job, self._limits)
-            except InvalidRequest as e:   # name the text, not the sequence it became
-                if ids is None or not e.field.startswith("sequences["):
-                    raise
-                raise InvalidRequest(e.field.replace("sequences", "texts", 1) + " (tokenized)",
-                                     str(e).split(": ", 1)[1]) from None
-            self.check_cost(job)
-            timeout = req.timeout_s if req.HasField("timeout_s") else None
-            if timeout is not None and not timeout > 0:
-                raise InvalidRequest("timeout_s", f"{timeout} must be > 0")
-            shared = 0
-            async with asyncio.timeout(timeout):
-                n = 0
-                for piece in codec.input_id_pieces(ids) if ids is not None else ():
-                    for msg in codec.encode_piece(rid, piece, self._max_message_bytes):
-                        await emit(msg)
-                        n += 1
-                async for piece in self._scheduler.stream(job, client):
-                    if isinstance(piece, SharedTokens):
-                        shared += piece.tokens
-                        self.count_shared(piece.tokens)
-                        continue
-                    for msg in codec.encode_piece(rid, piece, self._max_message_bytes):
-                        await emit(msg)
-                        n += 1
-            await emit(codec.encode_done(rid, job, self._identity, n, self._info.batching, shared))
+            with self.tracking(client):    # --max-in-flight-per-client, as KServe's calls
+                ids = await self._tokenize(req, client) if req.texts else None
+                job = codec.decode_job(req, ids)
+                self.check_size(job)
+                try:
+                    validate_job(job, self._limits)
+                except InvalidRequest as e:   # name the text, not the sequence it became
+                    if ids is None or not e.field.startswith("sequences["):
+                        raise
+                    raise InvalidRequest(e.field.replace("sequences", "texts", 1) + " (tokenized)",
+                                         str(e).split(": ", 1)[1]) from None
+                cost = self.check_cost(job)
+                timeout = req.timeout_s if req.HasField("timeout_s") else None
+                if timeout is not None and not timeout > 0:
+                    raise InvalidRequest("timeout_s", f"{timeout} must be > 0")
+                shared = 0
+                async with asyncio.timeout(timeout):
+                    n = 0
+                    for piece in codec.input_id_pieces(ids) if ids is not None else ():
+                        for msg in codec.encode_piece(rid, piece, self._max_message_bytes):
+                            await emit(msg)
+                            n += 1
+                    async for piece in self._scheduler.stream(job, client, cost=cost):
+                        if isinstance(piece, SharedTokens):
+                            shared += piece.tokens
+                            self.count_shared(piece.tokens)
+                            continue
+                        for msg in codec.encode_piece(rid, piece, self._max_message_bytes):
+                            await emit(msg)
+                            n += 1
+                await emit(codec.encode_done(rid, job, self._identity, n, self._info.batching, shared))
         except asyncio.CancelledError:
             status = grpc.StatusCode.CANCELLED
             if self._ending:    # the server's grace period is over: say so, then end quietly

@@ -66,28 +66,24 @@ class Ticket:
 
     def put(self, item, may_wait: Callable[[], bool], stall_timeout_s: float) -> None:
         """Hand an item to the stream (compute thread). With the buffer full, wait for the reader only while
-        `may_wait()` (no one else waits), at most `stall_timeout_s`; else end the request. _Gone: it is over."""
+        `may_wait()` (no one else waits), at most `stall_timeout_s`; else end the request. Gone: it is over."""
         nbytes = _nbytes(item)
+        deadline = time.monotonic() + stall_timeout_s
         with self._cond:
-            if self._full(nbytes) and not self.cancelled.is_set():
-                deadline = time.monotonic() + stall_timeout_s
-                while self._full(nbytes) and not self.cancelled.is_set():
-                    if not may_wait():
-                        self._fail(f"the stream read too slowly: {self.buffered / _MiB:.1f} MiB of its results "
-                                   f"waited unread (the server's --max-buffered-bytes is {self.bound / _MiB:.0f} "
-                                   f"MiB per request) while other requests waited; read as results arrive, ask "
-                                   f"for less per request, or raise --max-buffered-bytes")
-                        break
-                    left = deadline - time.monotonic()
-                    if left <= 0:
-                        self._fail(f"the stream took no result for stall_timeout_s={stall_timeout_s:g} "
-                                   f"(--stall-timeout) with {self.buffered / _MiB:.1f} MiB waiting; request dropped")
-                        break
-                    self._cond.wait(min(left, 0.05))
-                else:
-                    self._enqueue(item, nbytes)
-            elif not self.cancelled.is_set():
-                self._enqueue(item, nbytes)
+            while self._full(nbytes) and not self.cancelled.is_set():
+                if not may_wait():
+                    self._fail(f"the stream read too slowly: {self.buffered / _MiB:.1f} MiB of its results "
+                               f"waited unread (the server's --max-buffered-bytes is {self.bound / _MiB:.0f} "
+                               f"MiB per request) while other requests waited; read as results arrive, ask "
+                               f"for less per request, or raise --max-buffered-bytes")
+                    break
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    self._fail(f"the stream took no result for stall_timeout_s={stall_timeout_s:g} "
+                               f"(--stall-timeout) with {self.buffered / _MiB:.1f} MiB waiting; request dropped")
+                    break
+                self._cond.wait(min(left, 0.05))
+            self._enqueue(item, nbytes)   # nothing once the request is over (cancelled or failed just now)
             gone = self.cancelled.is_set()
         self._wake()
         if gone:

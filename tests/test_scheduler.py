@@ -335,3 +335,31 @@ def test_one_clients_hundred_queued_requests_do_not_put_anothers_one_behind_them
         server.stop()
     assert len(done) == 101
     assert done.index("b") < 20, done.index("b")     # FIFO: ~100
+
+
+def test_per_client_in_flight_and_response_size_limits_answer_resource_exhausted(model_dirs):
+    """--max-in-flight-per-client counts one client's requests on every stream; --max-response-bytes refuses an
+    answer before it is computed. Both are RESOURCE_EXHAUSTED naming the flag, and the stream goes on."""
+    from logitserve.server.admission import ClientLimits
+    from logitserve.server.servicer import StreamLimits
+
+    server = serve_dir(model_dirs["llama"], clients=ClientLimits(max_in_flight=2),
+                       limits=StreamLimits(max_response_bytes=1 << 20))
+    seqs = random_seqs(np.random.default_rng(8), [300])
+    try:
+        async def flood():
+            async with AsyncTeacherClient(server.address, streams=2) as c:
+                return await asyncio.gather(*(c.full_logits(seqs, vocab_range=(0, 500)) for _ in range(8)),
+                                            return_exceptions=True)
+        results = asyncio.run(flood())
+        with TeacherClient(server.address) as c:
+            with pytest.raises(LogitServeError) as big:
+                c.full_logits(seqs)                      # 300 x 1003 fp32: 1.2 MB > 1 MiB
+            assert c.full_logits(seqs, vocab_range=(0, 500))[0].shape == (300, 500)
+    finally:
+        server.stop()
+    refused = [r for r in results if isinstance(r, LogitServeError)]
+    assert refused and len(refused) < 8
+    for e in refused:
+        assert e.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "--max-in-flight-per-client is 2" in e.details
+    assert big.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "--max-response-bytes 1 MiB" in big.value.details

@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 from .spec import Job, WireDType
 
-_WIRE_BYTES = {WireDType.FP32: 4, WireDType.BF16: 2, WireDType.FP16: 2}
+WIRE_BYTES = {WireDType.FP32: 4, WireDType.BF16: 2, WireDType.FP16: 2}
 # Extra head work per row, in units of plain logprobs (one logsumexp over V): a top_p / top_k filter sorts
 # the row (a top_p request measured 6.6x plain logprobs on the demo model), a top-k of k near V costs about
 # two sorts, and a full-logits row is copied out whole.
@@ -33,12 +33,12 @@ def output_bytes(job: Job, vocab: int, num_labels: int = 1) -> int:
         if job.logprobs is not None:
             total += rows * 4
         if job.topk is not None:
-            total += rows * job.topk.k * (_WIRE_BYTES[job.topk.dtype] + 4) + (rows * 4 if job.topk.tail_mass else 0)
+            total += rows * job.topk.k * (WIRE_BYTES[job.topk.dtype] + 4) + (rows * 4 if job.topk.tail_mass else 0)
         if job.candidates is not None:
             total += int(job.candidates[i].size) * 4
         if job.full_logits is not None:
             s0, s1, v0, v1 = job.full_logits.bounds(len(seq), vocab)
-            total += max(0, s1 - s0) * max(0, v1 - v0) * _WIRE_BYTES[job.full_logits.dtype]
+            total += max(0, s1 - s0) * max(0, v1 - v0) * WIRE_BYTES[job.full_logits.dtype]
         if job.scores:
             total += num_labels * 4
     return total
