@@ -46,11 +46,13 @@ class OutputsMixin:
                 full_logits: bool = False, seq_range: Optional[tuple[int, int]] = None,
                 vocab_range: Optional[tuple[int, int]] = None, logits_dtype: str = "fp32",
                 scores: bool = False, bf16_as_torch: bool = False, timeout_s: Optional[float] = None,
-                add_special_tokens: Optional[bool] = None, prompt_lengths: Optional[Sequence[int]] = None):
+                add_special_tokens: Optional[bool] = None, prompt_lengths: Optional[Sequence[int]] = None,
+                token_ranks: bool = False):
         """Several outputs of one forward pass, as a ForwardResult.
 
         `seqs` holds token-id sequences, or texts (str) for the server to tokenize with the model's
         own tokenizer; the ids it used come back in `ForwardResult.input_ids`.
+        `token_ranks` (with logprobs): each target's 1-based rank in the unfiltered distribution, [L] int32.
         `prompt_lengths` (P_i per sequence): token outputs cover only the predictions of tokens P_i..L_i-1,
         [L_i - P_i] rows whose row j predicts token P_i + j, lined up with a student's response tokens.
         """
@@ -59,7 +61,7 @@ class OutputsMixin:
                    candidates=candidates,
                    full_logits=full_logits, seq_range=seq_range, vocab_range=vocab_range,
                    logits_dtype=logits_dtype, scores=scores, timeout_s=timeout_s,
-                   add_special_tokens=add_special_tokens, prompt_lengths=prompt_lengths)
+                   add_special_tokens=add_special_tokens, prompt_lengths=prompt_lengths, token_ranks=token_ranks)
         return self._request(seqs, w, lambda r: r, bf16_as_torch)
 
     def logprobs(self, seqs: Sequence, temperature: float = 1.0, top_k: Optional[int] = None,

@@ -36,6 +36,7 @@ class ForwardResult:
     topk_values: Optional[list] = None         # [L, k] fp32 (bf16/fp16 values on request)
     topk_ids: Optional[list] = None            # [L, k] int32
     topk_tail: Optional[list] = None           # [L] fp32: log of the probability outside the top-k ids
+    token_ranks: Optional[list] = None         # [L] int32: each target's 1-based rank (0 at row 0), with logprobs
     candidate_logprobs: Optional[list] = None  # [L, c] fp32
     full_logits: Optional[list] = None         # [s1 - s0, v1 - v0]
     scores: Optional[list] = None              # [num_labels] fp32
@@ -48,7 +49,7 @@ class ForwardResult:
 
 _FIELD = {pb.TOKEN_LOGPROBS: "logprobs", pb.TOPK_VALUES: "topk_values", pb.TOPK_IDS: "topk_ids",
           pb.CANDIDATE_LOGPROBS: "candidate_logprobs", pb.FULL_LOGITS: "full_logits", pb.SCORES: "scores",
-          pb.INPUT_IDS: "input_ids", pb.TOPK_TAIL: "topk_tail"}
+          pb.INPUT_IDS: "input_ids", pb.TOPK_TAIL: "topk_tail", pb.TOKEN_RANKS: "token_ranks"}
 
 
 def _lost(message: str) -> LogitServeError:
@@ -165,6 +166,8 @@ def wanted_fields(req: pb.ForwardRequest) -> tuple[str, ...]:
     names = ["input_ids"] if req.texts else []
     if req.HasField("logprobs"):
         names.append("logprobs")
+        if req.logprobs.ranks:
+            names.append("token_ranks")
     if req.HasField("topk"):
         names += ["topk_values", "topk_ids"] + (["topk_tail"] if req.topk.tail_mass else [])
     if req.HasField("candidates"):

@@ -33,6 +33,7 @@ class Wanted:
     timeout_s: Optional[float] = None      # server drops the request after this long (DEADLINE_EXCEEDED)
     add_special_tokens: Optional[bool] = None   # texts only: the server's tokenizer default (True) when None
     prompt_lengths: Optional[Sequence[int]] = None   # P_i per sequence: token outputs only for tokens P_i..L_i-1
+    token_ranks: bool = False              # with logprobs: each target's rank, [L] int32
 
 
 def int32_tensor(values, name: str) -> pb.Tensor:
@@ -63,8 +64,11 @@ def build_request(request_id: str, seqs: Sequence, w: Wanted) -> pb.ForwardReque
             req.add_special_tokens = bool(w.add_special_tokens)
     else:
         req.sequences.extend(int32_tensor(s, f"seqs[{i}]") for i, s in enumerate(seqs))
+    if w.token_ranks and not w.logprobs:
+        raise ValueError("token_ranks=True needs logprobs=True")
     if w.logprobs:
         req.logprobs.SetInParent()
+        req.logprobs.ranks = bool(w.token_ranks)
         if w.top_k is not None:
             req.logprobs.top_k = int(w.top_k)
         if w.top_p is not None:

@@ -34,7 +34,8 @@ from .gate import SERVICE_NAME, Gate, Listening, PortInUse, check_port_free, ope
 from .admission import ClientLimits
 from .metrics import Metrics
 from .security import SecurityConfig
-from .servicer import STREAM_WINDOW, LogitServeServicer, StreamLimits
+from .requests import Pipeline, StreamLimits
+from .servicer import STREAM_WINDOW, LogitServeServicer
 from .servicer import add_to as add_native
 
 log = logging.getLogger("logitserve.server")
@@ -129,7 +130,8 @@ class Running:
     health: health_aio.HealthServicer   # asyncio's: a sync Watch would hold a thread that shutdown waits on
     metrics: Optional[Metrics] = None
     metrics_http: Optional[object] = None   # the /metrics HTTP server when --metrics-port is set
-    servicer: Optional[LogitServeServicer] = None
+    pipeline: Optional[Pipeline] = None
+    http: Optional[object] = None           # the HTTP front-end (server/http_app.py) when --http-port is set
 
     @property
     def metrics_port(self) -> Optional[int]:
@@ -143,12 +145,14 @@ class Running:
     async def stop(self, grace: Optional[float]) -> None:
         """NOT_SERVING and no new request at once; in-flight requests get `grace` seconds to finish."""
         await self.health.enter_graceful_shutdown()
-        if self.servicer is not None:
-            self.servicer.drain()
+        if self.pipeline is not None:
+            self.pipeline.drain()
             deadline = time.monotonic() + (grace or 0)
-            while self.servicer.in_flight() and time.monotonic() < deadline:
+            while self.pipeline.in_flight() and time.monotonic() < deadline:
                 await asyncio.sleep(0.05)
-            self.servicer.end_in_flight()      # what still runs hears UNAVAILABLE, not a bare GOAWAY
+            self.pipeline.end_in_flight()      # what still runs hears UNAVAILABLE, not a bare GOAWAY
+        if self.http is not None:
+            await self.http.stop()
         await self.server.stop(min(grace or 0, 1.0))
         self.scheduler.shutdown()
         await asyncio.to_thread(self.scheduler.join, 10.0)
@@ -210,16 +214,15 @@ async def create_server(loaded: LoadedModel, config: ServerConfig, layout: Optio
     info = codec.encode_model_info(loaded, layout, config.max_message_bytes, logitserve.__version__, batching,
                                    config.engine.min_shared_prefix)
     gate = listening.gate
-    servicer = LogitServeServicer(scheduler, info, loaded.limits, config.max_message_bytes, loaded.text, metrics,
-                                  config.limits, config.clients)
-    add_native(servicer, gate)
+    pipeline = Pipeline(scheduler, loaded.limits, loaded.text, metrics, config.limits, config.clients)
+    add_native(LogitServeServicer(pipeline, info, config.max_message_bytes), gate)
     kpb_grpc.add_GRPCInferenceServiceServicer_to_server(
-        KServeServicer(scheduler, loaded, logitserve.__version__, servicer, metrics), gate)
+        KServeServicer(pipeline, loaded, logitserve.__version__, config.max_message_bytes), gate)
     _add_reflection(gate, (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
                            KSERVE_SERVICE))
     http = metrics.serve(config.metrics_port, config.metrics_host) if config.metrics_port is not None else None
     running = Running(listening.server, listening.port, gate, scheduler, layout, listening.health, metrics, http,
-                      servicer)
+                      pipeline)
     gate.open()
     await running.set_serving(True)
     return running

@@ -153,7 +153,7 @@ def _cmd_serve(args, argv: list[str]) -> int:
     from .scheduler import SchedulerConfig
     from .security import SecurityConfig
     from .admission import ClientLimits
-    from .servicer import StreamLimits
+    from .requests import StreamLimits
     from .launch import spawn_local, under_torchrun
 
     parallel = ParallelConfig(tp=args.tp, cp=args.cp, collective_timeout_s=args.collective_timeout,

@@ -96,7 +96,7 @@ def decode_job(req: pb.ForwardRequest, texts_ids: Optional[tuple] = None) -> Job
     if req.HasField("logprobs"):
         lp = req.logprobs
         logprobs = LogprobsOpts(top_k=lp.top_k if lp.HasField("top_k") else None,
-                                top_p=lp.top_p if lp.HasField("top_p") else None)
+                                top_p=lp.top_p if lp.HasField("top_p") else None, ranks=lp.ranks)
     if req.HasField("topk"):
         topk = TopKOpts(k=req.topk.k, as_logprobs=req.topk.as_logprobs,
                         dtype=_wire_dtype("topk.dtype", req.topk.dtype), tail_mass=req.topk.tail_mass)

@@ -15,9 +15,7 @@ Rows past a sequence's length are 0. Tensors travel raw (BF16 as its 2-byte bits
 """
 from __future__ import annotations
 
-import asyncio
 import math
-import time
 from typing import Optional
 
 import grpc
@@ -25,19 +23,15 @@ import numpy as np
 import torch
 
 from logitserve.cost import WIRE_BYTES
-from logitserve.engine import SharedTokens
-from logitserve.errors import InvalidRequest, OverLimit, Unavailable
+from logitserve.errors import InvalidRequest, OverLimit
 from logitserve.kserve import grpc_predict_v2_pb2 as kpb
 from logitserve.kserve import grpc_predict_v2_pb2_grpc as kpb_grpc
 from logitserve.spec import Job, LogprobsOpts, ModelKind, OutputKind, SliceOpts, TopKOpts, WireDType
-from logitserve.validate import validate_job
 
 from . import codec
 from .admission import client_of
-from .metrics import account
 from .params import Param, ParamTable
-from .servicer import ENDED_BY_SHUTDOWN, SHUTTING_DOWN
-from .status import to_status
+from .requests import Decoded, Pipeline
 
 OUTPUTS = {"token_logprobs": OutputKind.TOKEN_LOGPROBS, "topk_values": OutputKind.TOPK_VALUES,
            "topk_ids": OutputKind.TOPK_IDS, "topk_tail": OutputKind.TOPK_TAIL,
@@ -99,10 +93,7 @@ def timeout_of(params: dict) -> Optional[float]:
         raise InvalidRequest("parameters[timeout_s]", "set timeout_s or Triton's timeout (µs), not both")
     if "timeout" in params:
         return params["timeout"] / 1e6
-    t = params.get("timeout_s")
-    if t is not None and not t > 0:
-        raise InvalidRequest("parameters[timeout_s]", f"{t} must be > 0")
-    return t
+    return params.get("timeout_s")     # > 0: checked by the pipeline
 
 
 def _input(req: kpb.ModelInferRequest, name: str) -> Optional[np.ndarray]:
@@ -231,16 +222,16 @@ class _Dense:
 
 
 class KServeServicer(kpb_grpc.GRPCInferenceServiceServicer):
-    """The KServe face of the same scheduler; `native` (the LogitServe servicer) owns draining and the
-    per-request limits, `metrics` counts these requests beside the native ones."""
+    """The KServe face of the shared request pipeline: decode a ModelInferRequest, encode a dense answer."""
 
-    def __init__(self, scheduler, loaded, version: str, native, metrics=None):
-        self._scheduler, self._loaded, self._version = scheduler, loaded, version
-        self._native, self._metrics = native, metrics
+    def __init__(self, pipeline: Pipeline, loaded, version: str, max_message_bytes: int):
+        self._pipeline, self._loaded, self._version = pipeline, loaded, version
+        self._metrics = pipeline.metrics
+        self._max_message_bytes = max_message_bytes
         self._ids = iter(range(1 << 62))
 
     def _ready(self) -> bool:
-        return not self._native.draining
+        return not self._pipeline.draining
 
     def _serves(self, name: str) -> bool:
         """An empty name means the one model this server holds."""
@@ -323,60 +314,48 @@ class KServeServicer(kpb_grpc.GRPCInferenceServiceServicer):
                                                        reason="" if self._ready() else "draining")
         return kpb.RepositoryIndexResponse(models=[] if request.ready and not self._ready() else [entry])
 
-    async def _infer(self, request: kpb.ModelInferRequest, client: str):
-        """(response, None), or (None, (code, message)) for a failed request; its access-log line and metrics
-        either way. Counted in flight with the native requests: drained for --grace-s on shutdown, then ended
-        UNAVAILABLE. Other cancellation propagates."""
-        started, job, status = time.monotonic(), None, grpc.StatusCode.OK
-        try:
-            with self._native.tracking(client):
-                if not self._ready():
-                    raise Unavailable(SHUTTING_DOWN)
-                too_long = codec.request_id_error(request.id)
-                if too_long is not None:
-                    raise InvalidRequest("id", too_long.split(": ", 1)[1])
-                if not self._serves(request.model_name):
-                    raise InvalidRequest("model_name", f"{request.model_name[:64]!r} is not served here; this "
-                                                       f"server holds {self._loaded.name!r}")
-                job, names, params = decode(request, self._loaded.kind, self._native.max_sequences)
-                timeout = timeout_of(params)
-                self._native.check_size(job)
-                validate_job(job, self._loaded.limits)
-                size = dense_bytes(job, names, self._loaded.vocab_size, self._loaded.num_labels)
-                limit = self._native.max_message_bytes - (64 << 10)     # headroom for names, shapes, framing
-                if size > limit:
-                    raise OverLimit(f"outputs: the answer would be {size / 2**20:.1f} MiB, over the largest message "
-                                    f"this server sends (--max-message-bytes {self._native.max_message_bytes}, "
-                                    f"less 64 KiB for framing); ask for fewer sequences or a smaller slice per "
-                                    f"request, or use the streaming API (logitserve.v1.LogitServe/Forward), "
-                                    f"which chunks any answer")
-                cost = self._native.check_cost(job)
-                return await self._answer(request, job, names, timeout, client, 2 * size, cost), None
-        except asyncio.CancelledError:
-            status = grpc.StatusCode.CANCELLED
-            if self._native.ending:             # the grace period is over: say so
-                status = grpc.StatusCode.UNAVAILABLE
-                return None, (status, ENDED_BY_SHUTDOWN)
-            raise
-        except Exception as e:      # noqa: BLE001 (every error becomes its status, in one place)
-            failure = (grpc.StatusCode.DEADLINE_EXCEEDED, "timeout_s: the request did not finish in time") \
-                if isinstance(e, TimeoutError) else to_status(e)
-            status = failure[0]
-            return None, failure
-        finally:
-            account(self._metrics, codec.shown_id(request.id) or f"kserve-{next(self._ids)}", job, status,
-                    time.monotonic() - started)
+    def _decode(self, request: kpb.ModelInferRequest, names: list) -> Decoded:
+        """The request as a Decoded (its output names into `names`); the answer must fit one message."""
+        too_long = codec.request_id_error(request.id)
+        if too_long is not None:
+            raise InvalidRequest("id", too_long.split(": ", 1)[1])
+        if not self._serves(request.model_name):
+            raise InvalidRequest("model_name", f"{request.model_name[:64]!r} is not served here; this "
+                                               f"server holds {self._loaded.name!r}")
+        job, wanted, params = decode(request, self._loaded.kind, self._pipeline.stream_limits.max_sequences)
+        names.extend(wanted)
+        size = dense_bytes(job, wanted, self._loaded.vocab_size, self._loaded.num_labels)
+        limit = self._max_message_bytes - (64 << 10)     # headroom for names, shapes, framing
+        if size > limit:
+            raise OverLimit(f"outputs: the answer would be {size / 2**20:.1f} MiB, over the largest message "
+                            f"this server sends (--max-message-bytes {self._max_message_bytes}, "
+                            f"less 64 KiB for framing); ask for fewer sequences or a smaller slice per "
+                            f"request, or use the streaming API (logitserve.v1.LogitServe/Forward), "
+                            f"which chunks any answer")
+        # the dense arrays and their serialized copy are held with the job
+        return Decoded(job, timeout_of(params), "parameters[timeout_s]", hold=2 * size)
 
-    async def _answer(self, request: kpb.ModelInferRequest, job: Job, names: list[str],
-                      timeout: Optional[float], client: str, hold: int, cost) -> kpb.ModelInferResponse:
-        """`hold`: the dense arrays and their serialized copy, reserved in the memory budget with the job."""
-        dense = _Dense(len(job.sequences))
-        async with asyncio.timeout(timeout):
-            async for piece in self._scheduler.stream(job, client, hold, cost):
-                if isinstance(piece, SharedTokens):
-                    self._native.count_shared(piece.tokens)
-                    continue
-                dense.add(piece)
+    async def _infer(self, request: kpb.ModelInferRequest, client: str):
+        """(response, None), or (None, (code, message)) for a failed request, through the shared pipeline."""
+        names: list[str] = []
+        dense = None
+
+        async def decoded() -> Decoded:
+            nonlocal dense
+            d = self._decode(request, names)
+            dense = _Dense(len(d.job.sequences))
+            return d
+
+        async def sink(piece) -> None:
+            dense.add(piece)
+
+        rid = codec.shown_id(request.id) or f"kserve-{next(self._ids)}"
+        outcome = await self._pipeline.run(rid, client, decoded, sink)
+        if not outcome.ok:
+            return None, (outcome.status, outcome.message)
+        return self._encode(request, outcome.job, names, dense), None
+
+    def _encode(self, request: kpb.ModelInferRequest, job: Job, names: list[str], dense: "_Dense"):
         resp = kpb.ModelInferResponse(model_name=self._loaded.name, model_version="1", id=request.id)
         for name in names:
             arr = dense.arrays.get(OUTPUTS[name])

@@ -122,3 +122,15 @@ def filter_rows_decided(z: torch.Tensor, top_k=None, top_p=None, margin: float =
         cum_before = torch.cumsum(probs, dim=-1) - probs
         ok &= ((cum_before - top_p).abs() > margin).all(dim=-1)
     return ok.numpy()
+
+
+def ref_rank_bounds(z: torch.Tensor, seq, gap: float = 1e-5) -> tuple[np.ndarray, np.ndarray]:
+    """vLLM's rank of each target (1 + the ids whose logit is above the target's; row 0: 0), as [lo, hi] bounds
+    that admit ids within `gap` of the target either way (near-ties). z: [L, V] float64 -> [L] x2."""
+    seq = torch.as_tensor(np.asarray(seq, dtype=np.int64))
+    rows = z[:-1]                                                              # row t-1 predicts token t
+    target = rows.gather(-1, seq[1:, None])                                    # [L-1, 1]
+    lo = (rows > target + gap).sum(-1) + 1
+    hi = (rows > target - gap).sum(-1)                                         # the target itself counts once
+    zero = torch.zeros(1, dtype=lo.dtype)
+    return torch.cat([zero, lo]).numpy(), torch.cat([zero, hi]).numpy()

@@ -87,7 +87,7 @@ def test_config_statistics_and_index_count_both_apis(model_dirs):
 
     from conftest import serve_dir
     from logitserve.client import LogitServeError, TeacherClient
-    from logitserve.server.servicer import StreamLimits
+    from logitserve.server.requests import StreamLimits
 
     server = serve_dir(model_dirs["llama"], limits=StreamLimits(max_sequences=3))
     seqs = random_seqs(np.random.default_rng(8), [5, 9], vocab=VOCAB)
@@ -131,7 +131,7 @@ def test_config_statistics_and_index_count_both_apis(model_dirs):
                 stub.ModelInfer(_request(seqs, ["token_logprobs"], timeout_s=0.0))
             assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
             assert "parameters[timeout_s]" in e.value.details() and "must be > 0" in e.value.details()
-            server.running.servicer.drain()                                       # shutting down
+            server.running.pipeline.drain()                                       # shutting down
             with pytest.raises(grpc.RpcError) as e:
                 stub.ModelInfer(_request(seqs, ["token_logprobs"]))
             assert e.value.code() == grpc.StatusCode.UNAVAILABLE and "shutting down" in e.value.details()

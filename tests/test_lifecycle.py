@@ -12,7 +12,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from conftest import CliServer, serve_dir
 from logitserve.client import LogitServeError, TeacherClient, Wanted
-from logitserve.server.servicer import StreamLimits
+from logitserve.server.requests import StreamLimits
 
 
 def test_sigterm_lets_the_request_in_flight_finish_and_refuses_new_ones():

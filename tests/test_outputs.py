@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import VOCAB, random_seqs, ref_token_logprobs
+from helpers import VOCAB, random_seqs, ref_rank_bounds, ref_token_logprobs
 from logitserve.client import TeacherClient
 
 LENGTHS = [1, 2, 17, 40, 33]   # ragged, crossing the server's 16-row chunks
@@ -40,6 +40,34 @@ def test_token_logprobs_match_reference(causal, temperature):
     for seq, lp in zip(seqs, got):
         assert lp.dtype == np.float32 and lp[0] == 0.0
         _close(lp, ref_token_logprobs(ref.logits(seq, temperature), seq))
+
+
+def _check_ranks(got, z, seq) -> None:
+    """Ranks as vLLM defines them, from the float64 reference; exact wherever no other id is within 1e-5."""
+    lo, hi = ref_rank_bounds(z, seq)
+    assert got.dtype == np.int32 and got.shape == (len(seq),)
+    assert np.all((got >= lo) & (got <= hi)), f"ranks {got} outside [{lo}, {hi}]"
+    assert np.mean(lo == hi) > 0.9
+
+
+@pytest.mark.parametrize("temperature,top_p", [(1.0, None), (0.7, 0.5)])
+def test_token_ranks_match_reference(causal, temperature, top_p):
+    """Each target's 1-based rank in the unfiltered distribution, beside its (filtered) logprob; with and
+    without an output span."""
+    arch, server, ref = causal
+    seqs = random_seqs(np.random.default_rng(11), LENGTHS)
+    with TeacherClient(server.address) as c:
+        r = c.forward(seqs, temperature=temperature, logprobs=True, top_p=top_p, token_ranks=True)
+        spans = [max(1, len(s) - 5) for s in seqs]
+        s = c.forward(seqs, temperature=temperature, logprobs=True, token_ranks=True, prompt_lengths=spans)
+    for j, seq in enumerate(seqs):
+        z = ref.logits(seq, temperature)
+        _check_ranks(r.token_ranks[j], z, seq)
+        _close(r.logprobs[j], ref_token_logprobs(z, seq, top_p=top_p))
+        lo, hi = ref_rank_bounds(z, seq)
+        P = spans[j]
+        assert s.token_ranks[j].shape == (len(seq) - P,)
+        assert np.all((s.token_ranks[j] >= lo[P:]) & (s.token_ranks[j] <= hi[P:]))
 
 
 @pytest.mark.parametrize("k,as_logprobs", [(1, False), (7, False), (7, True), (VOCAB, False)])

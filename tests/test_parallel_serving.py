@@ -16,7 +16,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from conftest import CliServer
 from helpers import Reference, build_model, random_seqs, ref_token_logprobs
 from logitserve.client import LogitServeError, TeacherClient, Wanted
-from test_outputs import _close, _separated
+from test_outputs import _check_ranks, _close, _separated
 
 V = 32003                          # odd: the vocab shards are padded under tp = 2
 LENGTHS = [1, 2, 7, 45, 130]       # none a multiple of 2 * cp beyond the trivial; crossing 16-row chunks
@@ -50,7 +50,7 @@ def test_every_output_equals_one_process_reference(sharded):
     with TeacherClient(server.address) as c:
         info = c.model_info()
         r = c.forward(seqs, temperature=0.9, logprobs=True, topk=10, candidates=cands, full_logits=True,
-                      vocab_range=(15990, 16020), topk_tail=True)
+                      vocab_range=(15990, 16020), topk_tail=True, token_ranks=True)
         whole = c.full_logits(seqs[3:4], temperature=0.9)[0]
         every = c.forward(seqs[1:3], topk=V, topk_tail=True, topk_as_logprobs=True)     # k = V: no tail left
     assert (info.tp_size, info.cp_size, info.world_size, len(info.ranks)) == (tp, cp, tp * cp, tp * cp)
@@ -62,6 +62,7 @@ def test_every_output_equals_one_process_reference(sharded):
     for j, seq in enumerate(seqs):
         z = ref.logits(seq, 0.9)                                        # [L, V] float64
         _close(r.logprobs[j], ref_token_logprobs(z, seq))
+        _check_ranks(r.token_ranks[j], z, seq)
         sorted_v, sorted_i = torch.sort(z, -1, descending=True)
         _close(r.topk_values[j], sorted_v[:, :10].numpy())
         sep = _separated(sorted_v.numpy(), 10)

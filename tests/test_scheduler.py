@@ -341,7 +341,7 @@ def test_per_client_in_flight_and_response_size_limits_answer_resource_exhausted
     """--max-in-flight-per-client counts one client's requests on every stream; --max-response-bytes refuses an
     answer before it is computed. Both are RESOURCE_EXHAUSTED naming the flag, and the stream goes on."""
     from logitserve.server.admission import ClientLimits
-    from logitserve.server.servicer import StreamLimits
+    from logitserve.server.requests import StreamLimits
 
     server = serve_dir(model_dirs["llama"], clients=ClientLimits(max_in_flight=2),
                        limits=StreamLimits(max_response_bytes=1 << 20))

@@ -31,7 +31,7 @@ def output_bytes(job: Job, vocab: int, num_labels: int = 1) -> int:
     for i, seq in enumerate(job.sequences):
         rows = _rows(job, i)
         if job.logprobs is not None:
-            total += rows * 4
+            total += rows * (8 if job.logprobs.ranks else 4)
         if job.topk is not None:
             total += rows * job.topk.k * (WIRE_BYTES[job.topk.dtype] + 4) + (rows * 4 if job.topk.tail_mass else 0)
         if job.candidates is not None:

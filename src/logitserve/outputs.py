@@ -16,7 +16,7 @@ import torch
 
 from .filters import apply_filters
 from .spec import Job, OutputKind, WireDType
-from .vocab_parallel import VocabShard, vp_gather, vp_logsumexp, vp_topk
+from .vocab_parallel import VocabShard, vp_count_above, vp_gather, vp_logsumexp, vp_topk
 
 TORCH_WIRE = {WireDType.FP32: torch.float32, WireDType.BF16: torch.bfloat16, WireDType.FP16: torch.float16}
 
@@ -85,14 +85,16 @@ def block_pieces(job: Job, z: torch.Tensor, segs: list[Segment], hs: HeadShard,
                 pieces.append(piece)
     opts = job.logprobs
     filtered = opts is not None and (opts.top_k is not None or opts.top_p is not None)
-    lp = target_z = None
+    lp = target_z = ranks = None
     if opts is not None:
         targets = torch.cat([g.targets() for g in segs])[:, None]                 # [n, 1]
+        if opts.ranks or not filtered:
+            target_z = vp_gather(z, targets, shard)[:, 0]                           # [n]
+        if opts.ranks:                      # on the unfiltered z/T, before anything consumes it
+            ranks = (vp_count_above(z, target_z, shard) + 1).to(torch.int32)        # [n]
         if filtered:
             kept = apply_filters(z, shard, opts.top_k, opts.top_p)                  # [n, V/tp], a copy
             lp = vp_gather(kept, targets, shard)[:, 0] - vp_logsumexp(kept, shard, inplace=True)
-        else:
-            target_z = vp_gather(z, targets, shard)[:, 0]                           # [n]
     top = vp_topk(z, job.topk.k, shard) if job.topk is not None else None           # [n, k] x2
     cand_z = None
     if job.candidates is not None:                                                  # per segment: c differs
@@ -116,16 +118,18 @@ def block_pieces(job: Job, z: torch.Tensor, segs: list[Segment], hs: HeadShard,
     if opts is not None:
         if not filtered:
             lp = target_z - lse
-        for g in segs:
-            L = len(g.ids)
-            if g.span is not None:                 # every span row has a target; no lp[0]
-                rows, o, n_out = g.token_cut()
-                if rows.stop > rows.start:
-                    pieces.append(Piece(OutputKind.TOKEN_LOGPROBS, g.sequence, (n_out,), (o,),
-                                        lp[rows].cpu().contiguous()))
-            elif g.s0 == 0 or g.s0 + 1 < L:                                         # rows with a target, or lp[0]
-                n = min(g.s1, L - 1) - g.s0
-                pieces.append(_token_logprobs_piece(g.sequence, lp[g.row : g.row + n], g.s0, L))
+        for kind, values in ((OutputKind.TOKEN_LOGPROBS, lp), (OutputKind.TOKEN_RANKS, ranks)):
+            if values is None:
+                continue
+            for g in segs:
+                L = len(g.ids)
+                if g.span is not None:                 # every span row has a target; no lp[0]
+                    rows, o, n_out = g.token_cut()
+                    if rows.stop > rows.start:
+                        pieces.append(Piece(kind, g.sequence, (n_out,), (o,), values[rows].cpu().contiguous()))
+                elif g.s0 == 0 or g.s0 + 1 < L:                                     # rows with a target, or row 0
+                    n = min(g.s1, L - 1) - g.s0
+                    pieces.append(_per_target_piece(kind, g.sequence, values[g.row : g.row + n], g.s0, L))
     if top is not None:
         vals, top_ids = top
         if job.topk.as_logprobs:
@@ -160,6 +164,8 @@ def empty_token_pieces(job: Job, i: int, hs: HeadShard, cands: Optional[dict[int
     out: list[Piece] = []
     if job.logprobs is not None:
         out.append(Piece(OutputKind.TOKEN_LOGPROBS, i, (0,), (0,), torch.zeros(0)))
+        if job.logprobs.ranks:
+            out.append(Piece(OutputKind.TOKEN_RANKS, i, (0,), (0,), torch.zeros(0, dtype=torch.int32)))
     if job.topk is not None:
         k = job.topk.k
         out.append(Piece(OutputKind.TOPK_VALUES, i, (0, k), (0, 0), torch.zeros(0, k, dtype=TORCH_WIRE[job.topk.dtype])))
@@ -180,13 +186,13 @@ def _mask_ids_(z: torch.Tensor, ids: torch.Tensor, shard: VocabShard) -> None:
     z[rows[owned], local[owned]] = float("-inf")
 
 
-def _token_logprobs_piece(i: int, lp: torch.Tensor, s0: int, L: int) -> Piece:
-    """lp holds lp[t+1] for rows t in [s0, ...); lp[0] = 0 joins the first chunk."""
+def _per_target_piece(kind: OutputKind, i: int, values: torch.Tensor, s0: int, L: int) -> Piece:
+    """values holds v[t+1] for rows t in [s0, ...) (logprobs or ranks); v[0] = 0 joins the first chunk."""
     start = s0 + 1
     if s0 == 0:
-        lp = torch.cat([lp.new_zeros(1), lp])
+        values = torch.cat([values.new_zeros(1), values])
         start = 0
-    return Piece(OutputKind.TOKEN_LOGPROBS, i, (L,), (start,), lp.cpu().contiguous())
+    return Piece(kind, i, (L,), (start,), values.cpu().contiguous())
 
 
 def _slice(job: Job, g: Segment, z: torch.Tensor, V: int, hs: HeadShard) -> Optional[Piece]:

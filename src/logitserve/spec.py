@@ -27,6 +27,7 @@ class OutputKind(enum.IntEnum):
     SCORES = 6              # [num_labels] fp32
     INPUT_IDS = 7           # [L] int32: a text's ids as the server tokenized it
     TOPK_TAIL = 8           # [L] fp32: log of the probability outside the top-k ids
+    TOKEN_RANKS = 9         # [L] int32: 1 + #ids with z/T above the target's (row 0: 0), as TOKEN_LOGPROBS
 
 
 class ModelKind(enum.Enum):
@@ -40,6 +41,7 @@ class LogprobsOpts:
 
     top_k: Optional[int] = None    # keep logits >= the k-th largest
     top_p: Optional[float] = None  # keep the smallest top set whose probability reaches p
+    ranks: bool = False            # also TOKEN_RANKS: the target's rank in the unfiltered distribution
 
 
 @dataclass(frozen=True)

@@ -81,6 +81,13 @@ def vp_gather(z: torch.Tensor, ids: torch.Tensor, shard: VocabShard) -> torch.Te
     return _all_reduce(vals, dist.ReduceOp.SUM, shard)
 
 
+def vp_count_above(z: torch.Tensor, threshold: torch.Tensor, shard: VocabShard) -> torch.Tensor:
+    """How many of each row's vocab entries are strictly above `threshold`. z: [N, V/tp], threshold: [N] -> [N] int64.
+    Padding columns hold -inf and are never counted."""
+    count = (z > threshold[:, None]).sum(dim=-1)                     # [N]
+    return _all_reduce(count, dist.ReduceOp.SUM, shard)
+
+
 def vp_topk(z: torch.Tensor, k: int, shard: VocabShard) -> tuple[torch.Tensor, torch.Tensor]:
     """The k largest of each row, sorted descending, with global int64 ids. z: [N, V/tp] -> [N, k] x2."""
     k_local = min(k, shard.size)
