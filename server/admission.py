@@ -35,18 +35,23 @@ def _host_of(peer: str) -> str:
     return peer or UNKNOWN
 
 
-def client_of(context) -> str:
+def client_key(authorization: str, host: str) -> str:
     """A caller's identity for fair shares: its bearer token (as a short hash: logs never show a token), or,
     without one, the host it connects from (every connection and port of a host is one client)."""
-    for key, value in context.invocation_metadata() or ():
-        if key == "authorization":
-            scheme, _, token = value.partition(" ")
-            if scheme.lower() == "bearer" and token.strip():
-                return "token:" + hashlib.sha256(token.strip().encode()).hexdigest()[:12]
+    scheme, _, token = (authorization or "").partition(" ")
+    if scheme.lower() == "bearer" and token.strip():
+        return "token:" + hashlib.sha256(token.strip().encode()).hexdigest()[:12]
+    return "peer:" + (host or UNKNOWN)
+
+
+def client_of(context) -> str:
+    """client_key of a gRPC call (the HTTP front-end passes its header and peer host itself)."""
+    authorization = next((v for k, v in context.invocation_metadata() or () if k == "authorization"), "")
     try:
-        return "peer:" + _host_of(context.peer() or "")
+        host = _host_of(context.peer() or "")
     except Exception:   # noqa: BLE001 (a context without a peer: one shared identity)
-        return UNKNOWN
+        host = UNKNOWN
+    return client_key(authorization, host)
 
 
 class Tally:

@@ -74,6 +74,8 @@ class ServerConfig:
     keepalive_s: float = 60.0           # pings on idle connections; a peer silent for keepalive_timeout_s is dropped
     keepalive_timeout_s: float = 20.0
     max_connection_idle_s: float = 3600.0   # a connection with no RPC for this long is closed (GOAWAY)
+    http_port: Optional[int] = None     # vLLM / SGLang / TRL HTTP routes on this port (0: a free one); None: off
+    served_model_names: tuple[str, ...] = ()   # the model's HTTP names (first: its id); empty: the model's name
 
     def __post_init__(self):
         if self.max_message_bytes < 64 << 10:
@@ -132,6 +134,10 @@ class Running:
     metrics_http: Optional[object] = None   # the /metrics HTTP server when --metrics-port is set
     pipeline: Optional[Pipeline] = None
     http: Optional[object] = None           # the HTTP front-end (server/http_app.py) when --http-port is set
+
+    @property
+    def http_port(self) -> Optional[int]:
+        return self.http.port if self.http is not None else None
 
     @property
     def metrics_port(self) -> Optional[int]:
@@ -223,9 +229,23 @@ async def create_server(loaded: LoadedModel, config: ServerConfig, layout: Optio
     http = metrics.serve(config.metrics_port, config.metrics_host) if config.metrics_port is not None else None
     running = Running(listening.server, listening.port, gate, scheduler, layout, listening.health, metrics, http,
                       pipeline)
+    if config.http_port is not None:
+        running.http = await _serve_http(loaded, config, pipeline, listening.auth)
     gate.open()
     await running.set_serving(True)
     return running
+
+
+async def _serve_http(loaded: LoadedModel, config: ServerConfig, pipeline: Pipeline, auth):
+    """The HTTP front-end on config.http_port, sharing the pipeline (and so the scheduler) with gRPC."""
+    from .http_app import HttpFrontEnd, bind
+    from .http_common import Ctx, TokenTexts
+
+    ctx = Ctx(pipeline, loaded, config.served_model_names or (loaded.name,), logitserve.__version__,
+              config.limits.max_response_bytes, TokenTexts(loaded.text))
+    front = HttpFrontEnd(ctx, config.max_request_bytes, auth)
+    await front.start(bind(config.host, config.http_port), config.security)
+    return front
 
 
 def _stop_on_signals() -> asyncio.Event:
@@ -254,6 +274,9 @@ def _announce(loaded: LoadedModel, config: ServerConfig, running: Running) -> No
              running.layout.tp, running.layout.cp, config.host, running.port)
     if running.metrics_port is not None:
         log.info("metrics on http://%s:%d/metrics", config.host, running.metrics_port)
+    if running.http_port is not None:
+        scheme = "https" if config.security.tls_cert else "http"
+        log.info("HTTP (vLLM, SGLang, TRL routes) on %s://%s:%d", scheme, config.host, running.http_port)
     print(f"logitserve: serving {loaded.name} on {config.host}:{running.port}", flush=True)
 
 

@@ -68,6 +68,10 @@ def _serve_parser(sub, formatter) -> None:
     p.add_argument("--tls-client-ca", help="PEM CA bundle: mTLS, a client without a certificate it signed is refused")
     p.add_argument("--auth-token-file", help="bearer tokens, one per line: every RPC but health needs one")
     p.add_argument("--metrics-port", type=int, default=None, help="Prometheus /metrics over HTTP on this port")
+    p.add_argument("--http-port", type=int, default=None, metavar="P",
+                   help="also serve vLLM's, SGLang's and TRL's HTTP routes on this port (same host, TLS and tokens)")
+    p.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                   help="the model's name on HTTP (the first; the others are aliases); default: the model's own")
     p.add_argument("--metrics-host", default="127.0.0.1",
                    help="address of /metrics (it has no auth; default loopback only)")
     p.add_argument("--grace-s", type=float, default=5.0,
@@ -202,6 +206,7 @@ def _cmd_serve(args, argv: list[str]) -> int:
                                               min_shared_prefix=args.min_shared_prefix), scheduler=scheduler,
                           security=SecurityConfig(args.tls_cert, args.tls_key, args.tls_client_ca,
                                                   args.auth_token_file), metrics_port=args.metrics_port,
+                          http_port=args.http_port, served_model_names=tuple(args.served_model_name or ()),
                           metrics_host=args.metrics_host,
                           grace_s=args.grace_s, keepalive_s=args.keepalive_s,
                           limits=StreamLimits(args.max_sequences_per_request, args.max_request_tokens,

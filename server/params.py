@@ -40,7 +40,7 @@ class Param:
 
     def coerce(self, value: Any, where: str):
         """`value` as this parameter's type, or InvalidRequest naming `where` and the type expected."""
-        field = f"{where}[{self.name}]"
+        field = f"{where}{self.name}" if not where or where.endswith(".") else f"{where}[{self.name}]"
 
         def refuse(why: str):
             return InvalidRequest(field, f"{why}; expected {self.expected()}")
@@ -96,7 +96,9 @@ class ParamTable:
         self.params = {p.name: p for p in params}
 
     def read(self, values: Mapping[str, Any], where: str = "parameters") -> dict[str, Any]:
-        """Every given parameter, coerced; an unknown name is refused with the list of known ones."""
+        """Every given parameter, coerced; an unknown name is refused with the list of known ones. An empty
+        `where` names fields bare (JSON bodies: `logprobs`), one ending in "." dotted (`sampling_params.top_k`),
+        else as `where[name]`."""
         out = {}
         for name, value in values.items():
             p = self.params.get(name)

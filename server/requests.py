@@ -57,6 +57,7 @@ class Decoded:
     hold: int = 0                        # bytes the front-end holds for the answer beyond the scheduler's buffer
     text_ids: Optional[tuple] = None     # ids the server tokenized the request's texts into (sent as INPUT_IDS)
     text_field: str = "texts"            # the request field those texts came from
+    sequences_field: str = "sequences"   # the request field the token ids came from
 
 
 @dataclass(frozen=True)
@@ -67,6 +68,7 @@ class Outcome:
     message: str = ""
     job: Optional[Job] = None
     shared: int = 0                      # prompt tokens computed once for several sequences
+    field: Optional[str] = None          # the request field an InvalidRequest / NotFound named
 
     @property
     def ok(self) -> bool:
@@ -209,11 +211,16 @@ class Pipeline:
     def _validate(self, decoded: Decoded) -> None:
         try:
             validate_job(decoded.job, self.limits)
-        except InvalidRequest as e:   # name the text, not the sequence it became
-            if decoded.text_ids is None or not e.field.startswith("sequences["):
+        except InvalidRequest as e:   # name the request's own field: the text, not the sequence it became
+            if not e.field.startswith("sequences"):
                 raise
-            raise InvalidRequest(e.field.replace("sequences", decoded.text_field, 1) + " (tokenized)",
-                                 str(e).split(": ", 1)[1]) from None
+            if decoded.text_ids is not None:
+                name = e.field.replace("sequences", decoded.text_field, 1) + " (tokenized)"
+            elif decoded.sequences_field != "sequences":
+                name = e.field.replace("sequences", decoded.sequences_field, 1)
+            else:
+                raise
+            raise InvalidRequest(name, str(e).split(": ", 1)[1]) from None
 
     async def run(self, rid: str, client: str, decode: Callable[[], Awaitable[Decoded]], sink: Sink) -> Outcome:
         """Decode, admit, validate and compute one request, each piece to `sink` (INPUT_IDS first for texts).
@@ -256,6 +263,6 @@ class Pipeline:
             raise
         except Exception as e:      # noqa: BLE001 (every error becomes its status, in one place)
             status, message = to_status(e)
-            return Outcome(status, message, job)
+            return Outcome(status, message, job, field=getattr(e, "field", None))
         finally:
             account(self.metrics, rid, job, status, time.monotonic() - started)

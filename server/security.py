@@ -67,26 +67,30 @@ class TokenAuth(grpc.aio.ServerInterceptor):
         if details.method.startswith(HEALTH_PREFIX):
             return await continuation(details)
         value = dict(details.invocation_metadata or ()).get("authorization", "")
-        scheme, _, token = value.partition(" ")
-        if scheme.lower() != "bearer" or not token:
-            return self._refuse(details, grpc.StatusCode.UNAUTHENTICATED,
-                                "authorization: this server needs a bearer token (metadata 'authorization: Bearer <token>')")
-        if not _matches(token.strip().encode(), self._tokens):
-            return self._refuse(details, grpc.StatusCode.PERMISSION_DENIED,
-                                "authorization: the bearer token is not accepted")
+        refusal = self.check(value, details.method, "metadata 'authorization: Bearer <token>'")
+        if refusal is not None:
+            return _refusal(*refusal)
         return await continuation(details)
 
-    def _refuse(self, details: grpc.HandlerCallDetails, code: grpc.StatusCode, message: str) -> grpc.RpcMethodHandler:
-        """Count it, log it (at most once per AUTH_LOG_EVERY_S), and refuse before the body is read."""
+    def check(self, authorization: str, where: str, how: str) -> Optional[tuple[grpc.StatusCode, str]]:
+        """None for an accepted `authorization` value, else (code, message): missing -> UNAUTHENTICATED, wrong ->
+        PERMISSION_DENIED; each failure counted and logged (at most once per AUTH_LOG_EVERY_S). Both front-ends."""
+        scheme, _, token = (authorization or "").partition(" ")
+        if scheme.lower() != "bearer" or not token:
+            refusal = grpc.StatusCode.UNAUTHENTICATED, f"authorization: this server needs a bearer token ({how})"
+        elif not _matches(token.strip().encode(), self._tokens):
+            refusal = grpc.StatusCode.PERMISSION_DENIED, "authorization: the bearer token is not accepted"
+        else:
+            return None
         self._unlogged += 1
         if self.on_failure is not None:
             self.on_failure()
         now = time.monotonic()
         if now - self._logged_at >= AUTH_LOG_EVERY_S:
             log.warning("authentication failed: %s on %s (%d failure(s) since the last line of this kind)",
-                        code.name, details.method[:128], self._unlogged)
+                        refusal[0].name, where[:128], self._unlogged)
             self._logged_at, self._unlogged = now, 0
-        return _refusal(code, message)
+        return refusal
 
 
 def _refusal(code: grpc.StatusCode, details: str) -> grpc.RpcMethodHandler:

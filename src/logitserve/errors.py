@@ -21,6 +21,14 @@ class Unavailable(LogitServeError):
     """The server cannot serve now: shutting down, or a rank was lost (gRPC UNAVAILABLE)."""
 
 
+class NotFound(LogitServeError):
+    """The request names something this server does not hold, e.g. another model (gRPC NOT_FOUND)."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
 class NotSupported(LogitServeError):
     """The request asks for what this server's model cannot give, e.g. text without a tokenizer
     (gRPC FAILED_PRECONDITION)."""

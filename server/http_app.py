@@ -1,0 +1,185 @@
+"""The HTTP front-end (--http-port): vLLM, SGLang and TRL routes on Starlette + uvicorn, in the server's own loop.
+
+Every compute route goes through the shared request pipeline (server/requests.py), so admission,
+limits, validation, the scheduler, status mapping, metrics and the access log are the gRPC ones;
+this file only reads bodies, checks bearer tokens, and renders answers and errors (gRPC status ->
+HTTP status in server/status.py; errors in the OpenAI shape {"error": {message, type, param,
+code}}). JSON is encoded by orjson. Health routes need no token, as gRPC health.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import socket
+import ssl
+from typing import Awaitable, Callable, Optional
+
+import grpc
+import orjson
+import uvicorn
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from logitserve.errors import InvalidRequest, OverLimit
+
+from . import openai_api, sglang_api, trl_api
+from .admission import client_key
+from .http_common import Ctx, Failed, json_object
+from .status import to_http, to_status
+
+log = logging.getLogger("logitserve.http")
+HEALTH_PATHS = frozenset({"/health", "/health/", "/health_generate", "/ping"})
+
+
+def _json(content, status: int = 200, headers: Optional[dict] = None) -> Response:
+    return Response(orjson.dumps(content), status_code=status, media_type="application/json", headers=headers)
+
+
+def error_response(code: grpc.StatusCode, message: str, param: Optional[str] = None) -> Response:
+    status, kind = to_http(code)
+    return _json({"error": {"message": message, "type": kind, "param": param, "code": status}}, status)
+
+
+class HttpFrontEnd:
+    """The routes, their auth and body limits, and the uvicorn server that serves them on one socket."""
+
+    def __init__(self, ctx: Ctx, max_request_bytes: int, auth=None):
+        self.ctx = ctx
+        self._max_request_bytes = max_request_bytes
+        self._auth = auth                   # security.TokenAuth, or None
+        self._server: Optional[uvicorn.Server] = None
+        self._task = None
+        self.port = 0
+        post = self._post
+        self.app = Starlette(routes=[
+            Route("/v1/completions", post(openai_api.completions), methods=["POST"]),
+            Route("/inference/v1/generate", post(openai_api.generate), methods=["POST"]),
+            Route("/tokenize", post(openai_api.tokenize), methods=["POST"]),
+            Route("/detokenize", post(lambda c, b, _: _sync(openai_api.detokenize(c, b))), methods=["POST"]),
+            Route("/v1/models", self._get(lambda: openai_api.models(ctx))),
+            Route("/version", self._get(lambda: {"version": ctx.version})),
+            Route("/generate", post(sglang_api.generate), methods=["POST"]),
+            Route("/get_model_info", self._get(lambda: sglang_api.model_info(ctx))),
+            Route("/model_info", self._get(lambda: sglang_api.model_info(ctx))),
+            Route("/get_sequence_logprobs/", post(trl_api.sequence_logprobs), methods=["POST"]),
+            Route("/classify", post(trl_api.classify), methods=["POST"]),
+            Route("/pooling", post(trl_api.pooling), methods=["POST"]),
+            Route("/health", self._health(b"")),
+            Route("/health_generate", self._health(b"")),
+            Route("/health/", self._health(b'{"status":"ok"}')),
+        ])
+
+    # -- routes -----------------------------------------------------------------------------------------------
+    def _health(self, body: bytes):
+        async def health(request: Request) -> Response:
+            if self.ctx.pipeline.draining:
+                return Response(b"", status_code=503)
+            return Response(body, status_code=200, media_type="application/json" if body else None)
+        return health
+
+    def _get(self, make: Callable[[], dict]):
+        async def get(request: Request) -> Response:
+            refused = self._refused(request)
+            return refused if refused is not None else _json(make())
+        return get
+
+    def _post(self, handler: Callable[[Ctx, dict, str], Awaitable]):
+        async def post(request: Request) -> Response:
+            refused = self._refused(request)
+            if refused is not None:
+                return refused
+            try:
+                body = json_object(await self._body(request))
+                client = client_key(request.headers.get("authorization", ""),
+                                    request.client.host if request.client else "")
+                return _json(await handler(self.ctx, body, client))
+            except Failed as f:
+                o = f.outcome
+                return error_response(o.status, o.message, o.field)
+            except Exception as e:     # noqa: BLE001 (before or outside the pipeline: its status, in one place)
+                code, message = to_status(e)
+                return error_response(code, message, getattr(e, "field", None))
+        return post
+
+    def _refused(self, request: Request) -> Optional[Response]:
+        """A refusal before the body is read: no or a wrong bearer token (401 / 403)."""
+        if self._auth is None:
+            return None
+        refusal = self._auth.check(request.headers.get("authorization", ""), request.url.path,
+                                   "header 'Authorization: Bearer <token>'")
+        return None if refusal is None else error_response(*refusal)
+
+    async def _body(self, request: Request) -> bytes:
+        """The body, refused past --max-request-bytes before it is all read."""
+        limit = self._max_request_bytes
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise OverLimit(f"body: {declared} bytes is over the server's --max-request-bytes {limit}")
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise OverLimit(f"body: over the server's --max-request-bytes {limit}")
+            chunks.append(chunk)
+        if not size:
+            raise InvalidRequest("body", "a JSON object is needed")
+        return b"".join(chunks)
+
+    # -- serving ----------------------------------------------------------------------------------------------
+    async def start(self, sock: socket.socket, tls=None) -> None:
+        """Serve on an open, bound socket (security.SecurityConfig for TLS / mTLS, or None)."""
+        config = uvicorn.Config(self.app, log_level="warning", lifespan="off", access_log=False,
+                                timeout_graceful_shutdown=1, **_tls_options(tls))
+        self._server = _Server(config)
+        self.port = sock.getsockname()[1]
+        import asyncio
+
+        self._task = asyncio.create_task(self._server.serve(sockets=[sock]))
+        while not self._server.started and not self._task.done():
+            await asyncio.sleep(0.01)
+        if self._task.done():
+            self._task.result()
+
+    async def stop(self) -> None:
+        if self._server is not None:
+            self._server.should_exit = True
+            with contextlib.suppress(Exception):
+                await self._task
+
+
+async def _sync(value):
+    return value
+
+
+class _Server(uvicorn.Server):
+    """uvicorn in the server's own loop: SIGINT/SIGTERM stay the server's (it drains, then stops this)."""
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        yield
+
+
+def _tls_options(tls) -> dict:
+    if tls is None or not tls.tls_cert:
+        return {}
+    options = {"ssl_certfile": tls.tls_cert, "ssl_keyfile": tls.tls_key}
+    if tls.tls_client_ca:
+        options.update(ssl_ca_certs=tls.tls_client_ca, ssl_cert_reqs=ssl.CERT_REQUIRED)
+    return options
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """The HTTP port, bound now (a port in use fails before the model loads)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise OSError(f"--http-port {port}: cannot listen on {host}:{port} ({e.strerror or e})") from None
+    sock.listen(1024)
+    sock.setblocking(False)
+    return sock

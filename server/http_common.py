@@ -1,0 +1,210 @@
+"""What every HTTP front-end shares: typed JSON fields, token-id lists, a job run through the pipeline, token texts.
+
+The vLLM, SGLang and TRL shapes (server/openai_api.py, sglang_api.py, trl_api.py) decode a JSON body
+into a Job with these helpers, run it with `Ctx.run` (the shared request pipeline: admission,
+limits, validation, scheduling, status) and encode the collected arrays. No math here.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Awaitable, Callable, Optional
+
+import numpy as np
+import orjson
+
+from logitserve.errors import InvalidRequest, NotFound
+from logitserve.spec import Job, OutputKind
+
+from .params import ParamTable
+from .requests import Decoded, Outcome, Pipeline
+
+# Bytes one JSON logprob entry takes at most, about: `"12345":{"logprob":-12.345678901234567,"rank":12345,
+# "decoded_token":"..."}` with a token text of up to ~20 bytes. Checked against --max-response-bytes.
+JSON_ENTRY_BYTES = 96
+_INT64 = np.iinfo(np.int64)
+
+
+class Failed(Exception):
+    """A request ended without an answer: its gRPC status, message and the field it names (if any)."""
+
+    def __init__(self, outcome: Outcome):
+        super().__init__(outcome.message)
+        self.outcome = outcome
+
+
+def fields(body: dict, table: ParamTable, where: str = "") -> dict[str, Any]:
+    """The table's fields of a JSON body, typed (null = absent); fields not in the table are left to the caller."""
+    present = {k: v for k, v in body.items() if k in table.params and v is not None}
+    return table.read(present, where)
+
+
+def json_object(raw: bytes, where: str = "body") -> dict:
+    """A request body as a JSON object, or InvalidRequest saying why not."""
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as e:
+        raise InvalidRequest(where, f"not valid JSON ({str(e)[:120]})") from None
+    if not isinstance(body, dict):
+        raise InvalidRequest(where, f"a JSON object is needed, got {type(body).__name__}")
+    return body
+
+
+def id_array(value: Any, field: str) -> np.ndarray:
+    """One list of token ids as int32 [L]; whole-number floats are accepted, anything else names the element."""
+    if not isinstance(value, list):
+        raise InvalidRequest(field, f"a list of token ids is needed, got {type(value).__name__}")
+    try:
+        arr = np.asarray(value)
+    except (ValueError, OverflowError):
+        arr = np.asarray(value, dtype=object)
+    if arr.ndim != 1 or arr.dtype.kind not in "iuf" or arr.dtype == np.bool_:
+        bad = next((j for j, x in enumerate(value) if isinstance(x, bool) or not isinstance(x, (int, float))), 0)
+        raise InvalidRequest(f"{field}[{bad}]", f"{str(value[bad])[:32]!r} is not a token id (an integer)")
+    if arr.dtype.kind == "f":
+        whole = np.isfinite(arr) & (arr == np.round(arr))
+        if not whole.all():
+            bad = int(np.flatnonzero(~whole)[0])
+            raise InvalidRequest(f"{field}[{bad}]", f"{value[bad]!r} is not a whole number")
+    if arr.size and (arr.min() < np.iinfo(np.int32).min or arr.max() > np.iinfo(np.int32).max):
+        bad = int(np.flatnonzero((arr < np.iinfo(np.int32).min) | (arr > np.iinfo(np.int32).max))[0])
+        raise InvalidRequest(f"{field}[{bad}]", f"token id {value[bad]} does not fit int32 (ids are < V)")
+    return arr.astype(np.int32)
+
+
+def is_id_list(value: Any) -> bool:
+    """One list of ids (not a list of lists, not a list of strings)."""
+    return isinstance(value, list) and (not value or not isinstance(value[0], (list, str)))
+
+
+@dataclass
+class Collected:
+    """Each output of each sequence as a numpy array, filled from the pipeline's pieces."""
+
+    count: int
+    arrays: dict[OutputKind, list] = field(default_factory=dict)
+
+    async def add(self, piece) -> None:
+        per = self.arrays.setdefault(piece.output, [None] * self.count)
+        arr = per[piece.sequence]
+        t = piece.tensor.numpy()
+        if arr is None:
+            arr = per[piece.sequence] = np.zeros(piece.full_shape, dtype=t.dtype)
+        arr[tuple(slice(o, o + d) for o, d in zip(piece.offset, t.shape))] = t
+
+    def get(self, kind: OutputKind, i: int) -> np.ndarray:
+        return self.arrays[kind][i]
+
+
+class TokenTexts:
+    """Each id decoded alone as vLLM shows it (decode([id]), its SentencePiece leading space kept), cached."""
+
+    def __init__(self, text):
+        self._tok = text.tokenizer if text is not None else None
+        self._cache: dict[int, str] = {}
+
+    @property
+    def available(self) -> bool:
+        return self._tok is not None
+
+    def of(self, ids) -> list[str]:
+        ids = [int(x) for x in ids]
+        if self._tok is None:
+            return [None] * len(ids)
+        missing = sorted({x for x in ids if x not in self._cache})
+        if missing:
+            raw = self._tok.convert_ids_to_tokens(missing)
+            for x, r in zip(missing, raw):
+                text = self._tok.decode([x]) or ""
+                if isinstance(r, str) and r.startswith("\u2581") and not text.startswith(" "):
+                    text = " " + text
+                self._cache[x] = text
+        return [self._cache[x] for x in ids]
+
+    def decode(self, ids, skip_special_tokens: bool = False) -> str:
+        if self._tok is None:
+            return ""
+        return self._tok.decode([int(x) for x in ids], skip_special_tokens=skip_special_tokens)
+
+
+@dataclass
+class Ctx:
+    """One server's HTTP side: the pipeline, the model and its names, and what the shapes need to encode."""
+
+    pipeline: Pipeline
+    loaded: Any                       # loading.LoadedModel
+    names: tuple[str, ...]            # served model names: the first is the id, the others aliases
+    version: str
+    max_response_bytes: int
+    texts: TokenTexts
+    started: int = field(default_factory=lambda: int(time.time()))
+
+    @property
+    def model_id(self) -> str:
+        return self.names[0]
+
+    def check_model(self, name: Any, where: str = "model") -> None:
+        """An absent or empty model name means the one served here; another name is NOT_FOUND."""
+        if name is None or name == "" or name in self.names:
+            return
+        if not isinstance(name, str):
+            raise InvalidRequest(where, f"a string is needed, got {type(name).__name__}")
+        raise NotFound(where, f"the model `{name[:128]}` does not exist; this server holds {self.model_id!r}")
+
+    def check_json_size(self, entries: int, where: str) -> None:
+        """Refuse (RESOURCE_EXHAUSTED) a JSON answer of `entries` logprob entries over --max-response-bytes."""
+        from logitserve.errors import OverLimit
+
+        size = entries * JSON_ENTRY_BYTES
+        if size > self.max_response_bytes:
+            raise OverLimit(f"{where}: the JSON answer would be ~{size / 2**20:.0f} MiB ({entries} logprob entries), "
+                            f"over the server's --max-response-bytes {self.max_response_bytes / 2**20:.0f} MiB; ask "
+                            f"for a smaller k or fewer prompts per request, or use the gRPC API, which streams "
+                            f"raw tensors")
+
+    async def tokenize(self, texts: list[str], special: bool, client: str, where: str) -> tuple:
+        return await self.pipeline.tokenize(texts, special, client, where)
+
+    async def run(self, rid: str, client: str, decode: Callable[[], Awaitable[Decoded]]) -> tuple[Job, Collected]:
+        """Run a request through the shared pipeline; Failed (with its status) unless it succeeded."""
+        box: dict = {}
+
+        async def decoded() -> Decoded:
+            d = await decode()
+            box["c"] = Collected(len(d.job.sequences))
+            return d
+
+        async def sink(piece) -> None:
+            await box["c"].add(piece)
+
+        outcome = await self.pipeline.run(rid, client, decoded, sink)
+        if not outcome.ok:
+            raise Failed(outcome)
+        return outcome.job, box["c"]
+
+
+def clamp(values: np.ndarray, floor: float = -9999.0) -> list:
+    """float32 values as Python floats (their exact float64 value, printed as vLLM prints them), -inf -> floor."""
+    return np.maximum(values.astype(np.float64), floor).tolist()
+
+
+def b64_array(arr: np.ndarray) -> str:
+    import base64
+
+    return base64.b64encode(np.ascontiguousarray(arr).tobytes()).decode("ascii")
+
+
+def npy_b64(arr: np.ndarray) -> str:
+    """An array as base64 of its .npy file (header with dtype and shape, then the bytes)."""
+    import base64
+    import io
+
+    buf = io.BytesIO()
+    np.save(buf, np.ascontiguousarray(arr), allow_pickle=False)
+    return base64.b64encode(buf.getvalue()).decode("ascii")
+
+
+def new_id(prefix: str) -> str:
+    import secrets
+
+    return f"{prefix}-{secrets.token_hex(8)}"
