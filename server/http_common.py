@@ -58,7 +58,7 @@ def id_array(value: Any, field: str) -> np.ndarray:
         arr = np.asarray(value)
     except (ValueError, OverflowError):
         arr = np.asarray(value, dtype=object)
-    if arr.ndim != 1 or arr.dtype.kind not in "iuf" or arr.dtype == np.bool_:
+    if arr.ndim != 1 or arr.dtype.kind not in "iuf" or any(type(x) is bool for x in value):   # numpy casts True
         bad = next((j for j, x in enumerate(value) if isinstance(x, bool) or not isinstance(x, (int, float))), 0)
         raise InvalidRequest(f"{field}[{bad}]", f"{str(value[bad])[:32]!r} is not a token id (an integer)")
     if arr.dtype.kind == "f":

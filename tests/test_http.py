@@ -1,0 +1,313 @@
+"""The HTTP front-end as vLLM's, SGLang's and TRL's clients call it, every value against float64 transformers.
+
+Requests are what those frameworks send (the `openai` package itself; raw replays of ms-swift's
+TeacherAPIClient, TRL's AsyncDistillationTrainer and VLLMClient, slime's SGLang call, prime-rl's
+/inference/v1/generate), parsed the way their code parses the answers.
+"""
+from __future__ import annotations
+
+import base64
+import json
+import urllib.error
+import urllib.request
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import serve_dir
+from helpers import VOCAB, Reference, build_model, random_seqs, ref_rank_bounds, ref_token_logprobs
+from test_outputs import _close, _separated
+
+K = 5
+
+
+@pytest.fixture(scope="module")
+def http_model(tmp_path_factory):
+    """A llama with the demo tokenizer, served with --http-port; its float64 reference."""
+    from logitserve.demo import demo_tokenizer
+
+    directory = build_model(tmp_path_factory.mktemp("http") / "llama", "llama")
+    demo_tokenizer(VOCAB).save_pretrained(directory)
+    server = serve_dir(directory, http_port=0, served_model_names=("teacher", "alias"))
+    yield f"http://127.0.0.1:{server.running.http_port}", server, Reference(directory)
+    server.stop()
+
+
+def post(base: str, path: str, body, headers=None) -> tuple[int, object]:
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    req = urllib.request.Request(base + path, data=data, headers={"Content-Type": "application/json",
+                                                                 **(headers or {})})
+    try:
+        with urllib.request.urlopen(req, timeout=120) as r:
+            raw = r.read()
+            return r.status, json.loads(raw) if raw else None
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def get(base: str, path: str) -> tuple[int, bytes]:
+    try:
+        with urllib.request.urlopen(base + path, timeout=30) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+def _check_position(entry: dict, z_row: torch.Tensor, target: int, k: int, lo: int, hi: int) -> None:
+    """One vLLM prompt_logprobs dict: the target first with its logprob and rank, then the top-k by rank."""
+    lsm = torch.log_softmax(z_row, -1)
+    items = list(entry.items())
+    first_id, first = items[0]
+    assert int(first_id) == target
+    _close([first["logprob"]], [lsm[target].item()])
+    assert lo <= first["rank"] <= hi
+    top = [(int(i), e) for i, e in items if not (int(i) == target and e is first)]
+    sorted_v, sorted_i = torch.sort(lsm, descending=True)
+    assert len(items) in (k, k + 1) and (len(items) == k) == (first["rank"] <= k)
+    ranks = [e["rank"] for _, e in top]
+    assert ranks == sorted(ranks) and set(ranks) <= set(range(1, k + 1))
+    sep = _separated(sorted_v[None].numpy(), k)[0]
+    for i, e in top:
+        r = e["rank"] - 1
+        _close([e["logprob"]], [sorted_v[r].item()])
+        if sep[r]:
+            assert i == sorted_i[r].item()
+
+
+def test_openai_package_echo_prompt_logprobs(http_model):
+    """The `openai` package's completions.create as ms-swift's echo-style call: every position checked."""
+    import openai
+
+    base, _, ref = http_model
+    client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0)
+    assert [m.id for m in client.models.list().data] == ["teacher"]
+    seq = random_seqs(np.random.default_rng(5), [23])[0].tolist()
+    out = client.completions.create(model="teacher", prompt=seq, echo=True, logprobs=K, max_tokens=0,
+                                    temperature=0, extra_body={"prompt_logprobs": K})
+    choice = out.choices[0]
+    z = ref.logits(seq)                                                          # T = 0 means 1 (vLLM's values)
+    lo, hi = ref_rank_bounds(z, seq)
+    plp = choice.model_extra["prompt_logprobs"]
+    assert plp[0] is None and len(plp) == len(seq)
+    for t in range(1, len(seq)):
+        _check_position(plp[t], z[t - 1], seq[t], K, lo[t], hi[t])
+    block = choice.logprobs
+    assert block.token_logprobs[0] is None and len(block.tokens) == len(seq)
+    _close(block.token_logprobs[1:], ref_token_logprobs(z, seq)[1:])
+    assert all(len(d) <= K + 1 for d in block.top_logprobs[1:])
+    assert out.usage.prompt_tokens == len(seq) and out.usage.completion_tokens == 0
+
+
+def test_ms_swift_and_trl_vllm_requests(http_model):
+    """ms-swift's fetch_teacher_logprobs and TRL's post-#6765 teacher call: prompt_logprobs with max_tokens 1, a
+    batch of prompts, temperature applied (0.7), parsed as they parse it (skip 0, sort, keep k)."""
+    base, _, ref = http_model
+    seqs = [s.tolist() for s in random_seqs(np.random.default_rng(6), [9, 30, 2])]
+    status, out = post(base, "/v1/completions", {"model": "alias", "prompt": seqs, "max_tokens": 1,
+                                                 "temperature": 0.7, "prompt_logprobs": K})
+    assert status == 200 and len(out["choices"]) == 3
+    for seq, choice in zip(seqs, out["choices"]):
+        z = ref.logits(seq, 0.7)
+        lo, hi = ref_rank_bounds(z, seq)
+        plp = choice["prompt_logprobs"]
+        for t in range(1, len(seq)):                                            # ms-swift: raw[1:]
+            _check_position(plp[t], z[t - 1], seq[t], K, lo[t], hi[t])
+            top = sorted(plp[t].items(), key=lambda kv: -kv[1]["logprob"])[:K]   # ms-swift's parse
+            assert len(top) == K
+        # TRL: the actual token's logprob by its string id
+        got = [plp[t][str(seq[t])]["logprob"] for t in range(1, len(seq))]
+        _close(got, ref_token_logprobs(z, seq)[1:])
+        greedy = choice["text"]                                                  # max_tokens 1: the greedy token
+        sorted_v = torch.sort(z[-1], descending=True).values
+        if sorted_v[0] - sorted_v[1] > 1e-5:
+            assert f"t{int(torch.argmax(z[-1]))}" in greedy
+    assert out["usage"]["completion_tokens"] == 3
+
+
+def test_prompt_logprob_start_and_prime_rl_generate(http_model):
+    """prompt_logprob_start (response rows only; earlier entries null) and prime-rl's /inference/v1/generate,
+    with vLLM PR #54335's per-row candidate ids as a .npy answer."""
+    base, _, ref = http_model
+    seq = random_seqs(np.random.default_rng(7), [20])[0].tolist()
+    z = ref.logits(seq)
+    lp = ref_token_logprobs(z, seq)
+    status, out = post(base, "/v1/completions", {"prompt": seq, "max_tokens": 0, "prompt_logprobs": 2,
+                                                 "prompt_logprob_start": 11})
+    plp = out["choices"][0]["prompt_logprobs"]
+    assert status == 200 and plp[:12] == [None] * 12 and len(plp) == 20
+    _close([plp[t][str(seq[t])]["logprob"] for t in range(12, 20)], lp[12:])
+    status, out = post(base, "/inference/v1/generate", {"model": "teacher", "token_ids": seq, "sampling_params": {
+        "max_tokens": 1, "temperature": 1.0, "top_p": 1.0, "prompt_logprobs": 1}})
+    assert status == 200
+    got = [0.0 if e is None else next(iter(e.values()))["logprob"] for e in out["prompt_logprobs"]]   # prime-rl
+    _close(got, lp)
+    cand = np.random.default_rng(8).integers(0, VOCAB, (20 - 1 - 4, 3))
+    status, out = post(base, "/inference/v1/generate", {"token_ids": seq, "sampling_params": {
+        "max_tokens": 1, "prompt_logprob_start": 4, "prompt_logprob_token_ids": cand.tolist()}})
+    assert status == 200
+    import io
+
+    arr = np.load(io.BytesIO(base64.b64decode(out["prompt_token_id_logprobs"])))
+    want = torch.log_softmax(z, -1)[5 - 1 : 19].gather(-1, torch.as_tensor(cand)).numpy()   # row i: token 5 + i
+    assert arr.dtype == np.float32 and arr.shape == (15, 3)
+    _close(arr, want)
+
+
+def test_slime_sglang_generate(http_model):
+    """slime's teacher call: /generate with input_ids, logprob_start_len 0, max_new_tokens 0, parsed as slime does;
+    top_logprobs_num, token_ids_logprob and a batch as SGLang shapes them."""
+    base, _, ref = http_model
+    prompt, response = random_seqs(np.random.default_rng(9), [12, 7])
+    ids = np.concatenate([prompt, response]).tolist()
+    status, out = post(base, "/generate", {"input_ids": ids, "sampling_params": {
+        "temperature": 0.8, "max_new_tokens": 0, "skip_special_tokens": False}, "return_logprob": True,
+        "logprob_start_len": 0})
+    assert status == 200
+    t_log_prob = [item[0] for item in out["meta_info"]["input_token_logprobs"][1:]][-len(response):]   # slime's
+    z = ref.logits(ids, 0.8)
+    _close(t_log_prob, ref_token_logprobs(z, ids)[-len(response):])
+    assert out["meta_info"]["input_token_logprobs"][0][0] is None and out["meta_info"]["completion_tokens"] == 0
+    status, out = post(base, "/generate", {"input_ids": [ids, ids[:5]], "return_logprob": True,
+                                           "logprob_start_len": 3, "top_logprobs_num": 3, "token_ids_logprob": [7, 8],
+                                           "sampling_params": {"max_new_tokens": 0}})
+    assert status == 200 and isinstance(out, list) and len(out) == 2
+    z = ref.logits(ids)
+    lsm = torch.log_softmax(z, -1)
+    meta = out[0]["meta_info"]
+    assert [e[1] for e in meta["input_token_logprobs"]] == ids[3:] and meta["input_top_logprobs"][0] is None
+    _close([e[0] for e in meta["input_token_logprobs"][1:]], ref_token_logprobs(z, ids)[4:])
+    for t, top in zip(range(4, len(ids)), meta["input_top_logprobs"][1:]):
+        _close([v for v, _, _ in top], torch.sort(lsm[t - 1], descending=True).values[:3].numpy())
+    for t, c in zip(range(4, len(ids)), meta["input_token_ids_logprobs"][1:]):
+        assert [i for _, i, _ in c] == [7, 8]
+        _close([v for v, _, _ in c], lsm[t - 1, [7, 8]].numpy())
+    assert len(out[1]["meta_info"]["input_token_logprobs"]) == 2
+
+
+def test_trl_sequence_logprobs_json_and_binary(http_model):
+    """TRL's /get_sequence_logprobs/ (AsyncDistillationTrainer's json, VLLMClient's binary decode)."""
+    base, _, ref = http_model
+    seqs = [s.tolist() for s in random_seqs(np.random.default_rng(10), [15, 6])]
+    pls = [10, 0]
+    body = {"sequences": seqs, "prompt_lengths": pls, "top_logprobs": 4, "temperature": 0.9}
+    status, js = post(base, "/get_sequence_logprobs/", {**body, "response_format": "json"})
+    status2, bn = post(base, "/get_sequence_logprobs/", {**body, "response_format": "binary"})
+    assert status == status2 == 200
+    shape = bn["shape"]
+    dec = {k: np.frombuffer(base64.b64decode(bn[k + "_b64"]), dtype=np.float32 if "logprobs" in k else np.int32)
+           for k in ("logprobs", "token_ids", "actual_logprobs", "actual_token_ids")}
+    lp = dec["logprobs"].reshape(shape)
+    ids = dec["token_ids"].reshape(shape)
+    act = dec["actual_logprobs"].reshape(shape[0], shape[1], 1)
+    assert bn["completion_lengths"] == [5, 6] and shape == [2, 6, 4]
+    for b, (seq, pl) in enumerate(zip(seqs, pls)):
+        z = ref.logits(seq, 0.9)
+        lsm = torch.log_softmax(z, -1)
+        want_lp = ref_token_logprobs(z, seq)
+        for j, t in enumerate(range(pl, len(seq))):
+            if t == 0:                                       # no distribution before token 0
+                assert js["logprobs"][b][j] == [] and np.all(np.isneginf(lp[b, j]))
+                continue
+            sorted_v = torch.sort(lsm[t - 1], descending=True).values[:4].numpy()
+            _close(lp[b, j], sorted_v)
+            _close(js["logprobs"][b][j][:4], sorted_v)
+            assert js["logprob_token_ids"][b][j][:4] == ids[b, j].tolist()
+            _close(act[b, j], [want_lp[t]])
+            if seq[t] not in ids[b, j]:
+                assert js["logprob_token_ids"][b][j][4] == seq[t] and len(js["logprobs"][b][j]) == 5
+        assert np.all(np.isneginf(lp[b, len(seq) - pl:]))      # padding
+
+
+def test_reward_routes(reward_dirs):
+    """vLLM's /classify and /pooling and SGLang's /classify on a reward model; completions refused with 400."""
+    server = serve_dir(reward_dirs["llama"], http_port=0)
+    base = f"http://127.0.0.1:{server.running.http_port}"
+    try:
+        ref = Reference(reward_dirs["llama"])
+        seqs = [s.tolist() for s in random_seqs(np.random.default_rng(12), [7, 13])]
+        with torch.no_grad():
+            want = np.stack([ref.model(torch.as_tensor([s])).logits[0].numpy() for s in seqs])   # [2, 2] float64
+        status, out = post(base, "/classify", {"input": seqs, "use_activation": False})
+        assert status == 200 and [d["num_classes"] for d in out["data"]] == [2, 2]
+        _close([d["probs"] for d in out["data"]], want)
+        status, out = post(base, "/pooling", {"input": seqs})
+        _close([d["data"] for d in out["data"]], torch.softmax(torch.as_tensor(want), -1).numpy())
+        status, out = post(base, "/classify", {"input_ids": seqs[0]})
+        assert status == 200
+        _close(out["embedding"], want[0])
+        status, out = post(base, "/v1/completions", {"prompt": seqs[0], "prompt_logprobs": 1})
+        assert status == 400 and "/classify" in out["error"]["message"]
+    finally:
+        server.stop()
+
+
+BAD = [
+    ({"prompt": [5, 9], "logprobs": "abc"}, 400, "logprobs"),
+    ({"prompt": [5, 9], "temperature": "x"}, 400, "temperature"),
+    ({"prompt": [5, 9], "prompt_logprobs": 2.5}, 400, "prompt_logprobs"),
+    ({"prompt": 123}, 400, "prompt"),
+    ({"prompt": [[5, "a"]]}, 400, "prompt[0][1]"),
+    ({"prompt": [5, True]}, 400, "prompt[1]"),
+    ({"prompt": []}, 400, "prompt"),
+    ({"prompt": [5, 9], "prompt_logprobs": VOCAB + 1}, 400, "prompt_logprobs"),
+    ({"prompt": [5, VOCAB]}, 400, "prompt[0][1]"),
+    ({"prompt": [5, -1]}, 400, "prompt[0][1]"),
+    ({"prompt": [5, 2**40]}, 400, "prompt[1]"),
+    ({"prompt": [5, 9], "stream": True, "prompt_logprobs": 1}, 400, "prompt_logprobs"),
+    ({"prompt": [5, 9], "max_tokens": 2}, 400, "max_tokens"),
+    ({"prompt": [5, 9], "n": 2}, 400, "n"),
+    ({"prompt": [5, 9], "model": "other"}, 404, "model"),
+    ({"prompt": [5] * 600}, 400, "prompt[0]"),
+]
+
+
+def test_bad_input_gets_its_status_and_the_server_keeps_serving(http_model):
+    base, server, _ = http_model
+    for body, status, param in BAD:
+        got, out = post(base, "/v1/completions", body)
+        assert got == status, (body, out)
+        err = out["error"]
+        assert err["code"] == status and err["param"] == param and param.split("[")[0] in err["message"], (body, err)
+    for path, body, param in [("/v1/completions", b"{not json", "body"), ("/generate", {"input_ids": "x"}, "input_ids"),
+                              ("/generate", {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 3}},
+                               "sampling_params.max_new_tokens"),
+                              ("/get_sequence_logprobs/", {"sequences": [[1, 2]], "prompt_lengths": [3]},
+                               "prompt_lengths[0]"),
+                              ("/inference/v1/generate", {"token_ids": [1, 2], "sampling_params": {"logprobs": "x"}},
+                               "sampling_params.logprobs"),
+                              ("/classify", {"input": [1, 2]}, "input")]:
+        got, out = post(base, path, body)
+        assert got == 400 and out["error"]["param"] == param, (path, out)
+    import http.client                                                       # over --max-request-bytes: refused
+    conn = http.client.HTTPConnection(base.removeprefix("http://"), timeout=30)  # from the headers, body unsent
+    conn.putrequest("POST", "/v1/completions")
+    conn.putheader("Content-Type", "application/json")
+    conn.putheader("Content-Length", str(65 << 20))
+    conn.endheaders()
+    resp = conn.getresponse()
+    assert resp.status == 429 and "--max-request-bytes" in json.loads(resp.read())["error"]["message"]
+    conn.close()
+    got, out = post(base, "/v1/completions", {"prompt": [5, 9, 13], "prompt_logprobs": 1})
+    assert got == 200 and out["choices"][0]["prompt_logprobs"][2]
+    registry = server.running.metrics.registry
+    assert registry.get_sample_value("logitserve_requests_total", {"output": "logprobs", "status": "OK"}) >= 1
+    assert get(base, "/health")[0] == 200 and get(base, "/nope")[0] == 404
+
+
+def test_bearer_tokens_on_http(tmp_path, model_dirs):
+    tokens = tmp_path / "tokens"
+    tokens.write_text("s3cret\n")
+    from logitserve.server.security import SecurityConfig
+
+    server = serve_dir(model_dirs["llama"], http_port=0, security=SecurityConfig(auth_token_file=str(tokens)))
+    base = f"http://127.0.0.1:{server.running.http_port}"
+    try:
+        body = {"prompt": [5, 9, 13], "prompt_logprobs": 1}
+        assert post(base, "/v1/completions", body)[0] == 401
+        assert post(base, "/v1/completions", body, {"Authorization": "Bearer wrong"})[0] == 403
+        assert post(base, "/v1/completions", body, {"Authorization": "Bearer s3cret"})[0] == 200
+        assert get(base, "/health")[0] == 200                                   # health needs no token
+        assert get(base, "/v1/models")[0] == 401
+    finally:
+        server.stop()
