@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 # CPU torch first: with no torch present an unpinned install would pull a multi-GB CUDA build.
 TORCH ?= torch==2.13.0
 
-.PHONY: install serve test load-test bench bench-batching bench-groups
+.PHONY: install serve test load-test bench bench-batching bench-groups bench-http
 $(STAMP): pyproject.toml setup.py proto/logitserve/v1/logitserve.proto
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
@@ -33,3 +33,6 @@ bench-batching: $(STAMP)  ## throughput by batch shape (demo and body-heavy mode
 
 bench-groups: $(STAMP)  ## RL-shaped groups: prompt_lengths and shared prompts vs the in-process floor
 	$(BIN)/python bench/groups.py $(ARGS)
+
+bench-http: $(STAMP)  ## the HTTP routes against vLLM's server on the same /v1/completions body (k=20, k=100)
+	$(BIN)/python bench/http_peer.py $(ARGS)

@@ -81,11 +81,16 @@ def offline(py: str, model: str, seqs: list, ks: list[int], repeats: int) -> dic
     return {int(k): v for k, v in json.loads(line[7:]).items()}
 
 
-def _post(url: str, body: dict, timeout: float = 600) -> tuple[dict, int]:
+def post_raw(url: str, body: dict, timeout: float = 600) -> bytes:
+    """The whole answer's bytes: what the timed runs wait for (the server's work, not the client's parsing)."""
     data = json.dumps(body).encode()
     req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=timeout) as resp:
-        raw = resp.read()
+        return resp.read()
+
+
+def _post(url: str, body: dict, timeout: float = 600) -> tuple[dict, int]:
+    raw = post_raw(url, body, timeout)
     return json.loads(raw), len(raw)
 
 
@@ -115,9 +120,9 @@ def server(py: str, model: str, seqs: list, ks: list[int], repeats: int, port: i
             resp, _ = _post(base + "/v1/completions", body)
             assert len(resp["choices"]) == len(seqs) and resp["choices"][0]["prompt_logprobs"]
             times, sizes = [], []
-            for _ in range(repeats):
+            for _ in range(repeats):      # time to the answer's last byte; parsed once above
                 t = time.perf_counter()
-                _, size = _post(base + "/v1/completions", body)
+                size = len(post_raw(base + "/v1/completions", body))
                 times.append(time.perf_counter() - t)
                 sizes.append(size)
             out[k] = {"times": times, "bytes": sizes[-1]}

@@ -245,6 +245,7 @@ async def _serve_http(loaded: LoadedModel, config: ServerConfig, pipeline: Pipel
               config.limits.max_response_bytes, TokenTexts(loaded.text))
     front = HttpFrontEnd(ctx, config.max_request_bytes, auth)
     await front.start(bind(config.host, config.http_port), config.security)
+    await asyncio.to_thread(ctx.tables.tables)    # each vocab id's JSON pieces, once (~0.3 s per 32k ids)
     return front
 
 

@@ -137,7 +137,14 @@ class Ctx:
     version: str
     max_response_bytes: int
     texts: TokenTexts
+    tables: Any = None                # json_logprobs.VocabTables over the model's vocabulary
     started: int = field(default_factory=lambda: int(time.time()))
+
+    def __post_init__(self):
+        from .json_logprobs import VocabTables
+
+        if self.tables is None:
+            self.tables = VocabTables(self.texts, self.loaded.vocab_size)
 
     @property
     def model_id(self) -> str:

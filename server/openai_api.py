@@ -19,6 +19,7 @@ from logitserve.errors import InvalidRequest, NotSupported
 from logitserve.spec import ModelKind
 
 from .http_common import Ctx, clamp, fields, id_array, is_id_list, new_id, npy_b64
+from .json_logprobs import prompt_logprobs as prompt_logprobs_json
 from .params import Param, ParamTable
 from .requests import Decoded
 from .scoring import ScoreSpec, json_entries, rows_of, score_job
@@ -97,6 +98,14 @@ def _prompt_dicts(seq: np.ndarray, rows, k: int, ctx: Ctx, L: int) -> list:
                 d[str(y)] = {"logprob": v, "rank": r + 1, "decoded_token": text[y]}
         out.append(d)
     return out
+
+
+def _prompt_json(seq: np.ndarray, rows, k: int, ctx: Ctx, L: int):
+    """The same list as [None] * first + _prompt_dicts, as JSON bytes built column-wise (json_logprobs)."""
+    top_ids = rows.top_ids[:, :k] if k else None
+    top_v = rows.top_values[:, :k] if k else None
+    return prompt_logprobs_json(seq[rows.first:L].astype(np.int64), rows.logprobs, rows.ranks,
+                                None if top_ids is None else top_ids.astype(np.int64), top_v, rows.first, ctx.tables)
 
 
 def _texts(ctx: Ctx, targets: list, top_ids: list) -> tuple[list, list]:
@@ -187,8 +196,9 @@ async def completions(ctx: Ctx, body: dict, client: str) -> dict:
         prompt_lp = None
         if s["prompt_k"] is not None:
             rows = rows_of(job, s["spec"], out, i, L)
-            steps[rows.first:] = _prompt_dicts(seq, rows, s["prompt_k"], ctx, L)
-            prompt_lp = steps
+            prompt_lp = _prompt_json(seq, rows, s["prompt_k"], ctx, L)
+            if s["echo"] and s["sample_k"] is not None:      # the OpenAI block reads the same step dicts
+                steps[rows.first:] = _prompt_dicts(seq, rows, s["prompt_k"], ctx, L)
         text, token_ids = "", []
         tokens, block_steps = [], []
         if s["echo"]:
@@ -274,7 +284,7 @@ async def generate(ctx: Ctx, body: dict, client: str) -> dict:
     rows = rows_of(job, s["spec"], out, 0, L)
     prompt_lp = None
     if s["prompt_k"] is not None:
-        prompt_lp = [None] * rows.first + _prompt_dicts(seq, rows, s["prompt_k"], ctx, L)
+        prompt_lp = _prompt_json(seq, rows, s["prompt_k"], ctx, L)
     token_ids, logprobs = [], None
     if s["spec"].generate:
         g, step = _next_dict(rows, s["sample_k"] or 0, ctx)

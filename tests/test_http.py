@@ -311,3 +311,36 @@ def test_bearer_tokens_on_http(tmp_path, model_dirs):
         assert get(base, "/v1/models")[0] == 401
     finally:
         server.stop()
+
+
+def test_column_wise_json_equals_vllms_dicts(http_model):
+    """json_logprobs builds prompt_logprobs from arrays; parsed, it is the dict-per-entry list, key order and all."""
+    import orjson
+
+    from logitserve.server.http_common import TokenTexts
+    from logitserve.server.json_logprobs import VocabTables
+    from logitserve.server.openai_api import _prompt_dicts, _prompt_json
+    from logitserve.server.scoring import Rows
+    from logitserve.tokenizing import load_tokenizer
+
+    _, server, _ = http_model
+    texts = TokenTexts(server.running.pipeline.text)
+
+    class Ctx:
+        pass
+
+    ctx = Ctx()
+    ctx.texts, ctx.tables = texts, VocabTables(texts, VOCAB)
+    rng = np.random.default_rng(13)
+    L, k = 40, 6
+    seq = rng.integers(0, VOCAB, L).astype(np.int32)
+    top = np.stack([rng.permutation(VOCAB)[:k] for _ in range(L - 3)]).astype(np.int32)
+    top[::3, 2] = seq[3::3]                                       # some targets inside the top-k (deduplicated)
+    values = -np.sort(rng.exponential(3, (L - 3, k)).astype(np.float32), axis=1)
+    values[0, -1] = -np.inf                                       # clamped to -9999.0 as vLLM does
+    rows = Rows(3, rng.normal(-5, 2, L - 3).astype(np.float32), rng.integers(1, 900, L - 3).astype(np.int32),
+                values, top, None, None, None)
+    got = orjson.loads(orjson.dumps(_prompt_json(seq, rows, k, ctx, L)))
+    want = [None] * 3 + _prompt_dicts(seq, rows, k, ctx, L)
+    assert got == want and all(list(g) == list(w) for g, w in zip(got[3:], want[3:]))
+    assert got[1 + 3][str(top[1, -1])]["logprob"] == values[1, -1].item() and want[3][str(top[0, -1])]["logprob"] == -9999.0

@@ -1,0 +1,72 @@
+"""vLLM's prompt_logprobs list as JSON bytes, built column-wise from numpy arrays instead of a dict per entry.
+
+An entry is `"<id>":{"logprob":<v>,"rank":<r>,"decoded_token":"<text>"}`. Everything in it but
+the value depends only on the id (key, text) or the top-k column (rank), so each piece comes from
+a table indexed by a whole array at once; the values are printed by orjson (the float64 repr of
+each fp32 value, as vLLM prints them). The result is an orjson.Fragment that orjson embeds as is.
+Byte for byte what json.dumps of vLLM's dicts gives (tests/test_http.py compares the parsed values).
+"""
+from __future__ import annotations
+
+import numpy as np
+import orjson
+
+_FLOOR = -9999.0      # vLLM clamps -inf logprobs to this (JSON has no infinity)
+
+
+class VocabTables:
+    """Per-id JSON pieces: `"<id>":{"logprob":` and `,"decoded_token":"<text>"}` (object arrays over V)."""
+
+    def __init__(self, texts, vocab: int):
+        self._texts = texts
+        self._vocab = vocab
+        self._head = self._tail = None
+
+    def _build(self) -> None:
+        ids = np.arange(self._vocab)
+        texts = self._texts.of(ids) if self._texts.available else [None] * self._vocab
+        self._head = np.array([b'"%d":{"logprob":' % i for i in range(self._vocab)], dtype=object)
+        self._tail = np.array([b',"decoded_token":' + orjson.dumps(t) + b"}" for t in texts], dtype=object)
+
+    def tables(self) -> tuple[np.ndarray, np.ndarray]:
+        if self._head is None:
+            self._build()
+        return self._head, self._tail
+
+
+def _floats(values: np.ndarray) -> np.ndarray:
+    """Each value's JSON text, as an object array of bytes of the same shape (-inf clamped to -9999.0)."""
+    flat = np.maximum(values.astype(np.float64).reshape(-1), _FLOOR)
+    text = orjson.dumps(flat.tolist())[1:-1]
+    parts = np.array(text.split(b","), dtype=object) if flat.size else np.zeros(0, dtype=object)
+    return parts.reshape(values.shape)
+
+
+def _ints(values: np.ndarray) -> np.ndarray:
+    text = orjson.dumps(values.reshape(-1).tolist())[1:-1]
+    parts = np.array(text.split(b","), dtype=object) if values.size else np.zeros(0, dtype=object)
+    return parts.reshape(values.shape)
+
+
+def prompt_logprobs(targets: np.ndarray, logprobs: np.ndarray, ranks: np.ndarray, top_ids: np.ndarray,
+                    top_values: np.ndarray, leading_nulls: int, tables: VocabTables) -> orjson.Fragment:
+    """`[null x leading_nulls, {token first, then the top-k by rank}, ...]`. targets/logprobs/ranks: [n],
+    top_ids/top_values: [n, k] (k may be 0)."""
+    head, tail = tables.tables()
+    n, k = top_ids.shape if top_ids is not None else (len(targets), 0)
+    # the scored token's entry: its id's pieces, its value and its rank
+    first = head[targets] + _floats(logprobs) + (b',"rank":' + _ints(ranks)) + tail[targets]      # [n]
+    rows = []
+    if k:
+        rank_text = np.array([b',"rank":%d' % (r + 1) for r in range(k)], dtype=object)
+        entries = head[top_ids] + _floats(top_values) + rank_text[None, :] + tail[top_ids]      # [n, k]
+        dup = top_ids == targets[:, None]                                                       # [n, k]
+        has_dup = dup.any(axis=1)
+        for j in range(n):
+            row = entries[j]
+            if has_dup[j]:
+                row = row[~dup[j]]
+            rows.append(b"{" + first[j] + b"," + b",".join(row) + b"}" if len(row) else b"{" + first[j] + b"}")
+    else:
+        rows = [b"{" + e + b"}" for e in first]
+    return orjson.Fragment(b"[" + b",".join([b"null"] * leading_nulls + rows) + b"]")
