@@ -278,7 +278,8 @@ def _announce(loaded: LoadedModel, config: ServerConfig, running: Running) -> No
     if running.http_port is not None:
         scheme = "https" if config.security.tls_cert else "http"
         log.info("HTTP (vLLM, SGLang, TRL routes) on %s://%s:%d", scheme, config.host, running.http_port)
-    print(f"logitserve: serving {loaded.name} on {config.host}:{running.port}", flush=True)
+    http = f" (HTTP on port {running.http_port})" if running.http_port is not None else ""
+    print(f"logitserve: serving {loaded.name} on {config.host}:{running.port}{http}", flush=True)
 
 
 def _announce_loading(config: ServerConfig, listening: Listening) -> None:

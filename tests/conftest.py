@@ -101,6 +101,8 @@ class CliServer:
             m = re.search(r"logitserve: serving \S+ on [\d.]+:(\d+)", line)
             if m:
                 self.address = f"127.0.0.1:{m.group(1)}"
+                http = re.search(r"\(HTTP on port (\d+)\)", line)
+                self.http = f"http://127.0.0.1:{http.group(1)}" if http else None
                 threading.Thread(target=lambda: [self.log.append(x) for x in self.proc.stdout], daemon=True).start()
                 return
         self.proc.kill()

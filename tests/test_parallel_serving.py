@@ -37,7 +37,7 @@ def sharded(request, tp_model):
     tp, cp = request.param
     directory, ref = tp_model
     server = CliServer("--model", str(directory), "--tp", str(tp), "--cp", str(cp), "--logprob-chunk-size", "16",
-                       "--device", DEVICE)
+                       "--device", DEVICE, "--http-port", "0")
     yield tp, cp, server, ref
     assert server.stop() == 0, "".join(server.log[-20:])
 
@@ -90,6 +90,25 @@ def test_filters_and_topk_logprobs_equal_reference(sharded):
 
 
 @pytest.mark.parametrize("tp,cp", [(2, 1), (2, 2)])
+def test_http_routes_under_tp_and_cp(sharded):
+    """vLLM's /v1/completions through a sharded server: bad input refused with 400 (the ranks never see it),
+    then prompt_logprobs and ranks equal to the one-process float64 reference."""
+    from test_http import post
+
+    tp, cp, server, ref = sharded
+    seq = random_seqs(np.random.default_rng(22), [40], vocab=V)[0].tolist()
+    for bad in ({"prompt": [5, V]}, {"prompt": [5, 9], "logprobs": "x"}, {"prompt": [5] * 2000}):
+        status, out = post(server.http, "/v1/completions", bad)
+        assert status == 400, out
+    status, out = post(server.http, "/v1/completions", {"prompt": seq, "max_tokens": 0, "prompt_logprobs": 3,
+                                                        "temperature": 0.9})
+    assert status == 200
+    plp = out["choices"][0]["prompt_logprobs"]
+    z = ref.logits(seq, 0.9)
+    _close([plp[t][str(seq[t])]["logprob"] for t in range(1, len(seq))], ref_token_logprobs(z, seq)[1:])
+    _check_ranks(np.array([0] + [plp[t][str(seq[t])]["rank"] for t in range(1, len(seq))], np.int32), z, seq)
+
+
 def test_reward_scores_under_tp_and_cp(reward_dirs, tp, cp):
     directory = reward_dirs["llama"]
     ref = Reference(directory)

@@ -39,7 +39,7 @@ def on_50051():
     with socket.socket() as s:
         if s.connect_ex(("127.0.0.1", 50051)) == 0:
             raise RuntimeError("port 50051 is taken: the README's examples dial it; stop that server first")
-    server = CliServer("--port", "50051")
+    server = CliServer("--port", "50051", "--http-port", "8000")
     yield server
     assert server.stop() == 0
 
