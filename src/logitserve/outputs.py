@@ -113,7 +113,8 @@ def block_pieces(job: Job, z: torch.Tensor, segs: list[Segment], hs: HeadShard,
         lse = torch.logaddexp(rest, lse_top)
         tail = rest - lse                                                           # [n], -inf when k = V
     else:
-        lse = vp_logsumexp(z, shard, inplace=True) if needs_lse else None           # [n]; z is gone now
+        row_max = top[0][:, 0] if top is not None else None                         # the top-1 is the row max
+        lse = vp_logsumexp(z, shard, inplace=True, row_max=row_max) if needs_lse else None   # [n]; z is gone
 
     if opts is not None:
         if not filtered:

@@ -48,20 +48,24 @@ def _finite_or_zero(m: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isfinite(m), m, torch.zeros_like(m))
 
 
-def _local_logsumexp_(z: torch.Tensor) -> torch.Tensor:
-    """torch.logsumexp's arithmetic, in place: z is overwritten, and no [N, V] temporary is allocated."""
-    m = _finite_or_zero(z.amax(dim=-1))                              # [N]
+def _local_logsumexp_(z: torch.Tensor, row_max: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """torch.logsumexp's arithmetic, in place: z is overwritten, and no [N, V] temporary is allocated.
+    `row_max`: each row's max when the caller has it already (a top-k's first column), saving a pass."""
+    m = _finite_or_zero(z.amax(dim=-1) if row_max is None else row_max)   # [N]
     return z.sub_(m[:, None]).exp_().sum(dim=-1).log_().add_(m)
 
 
-def vp_logsumexp(z: torch.Tensor, shard: VocabShard, inplace: bool = False) -> torch.Tensor:
+def vp_logsumexp(z: torch.Tensor, shard: VocabShard, inplace: bool = False,
+                 row_max: Optional[torch.Tensor] = None) -> torch.Tensor:
     """log(sum(exp(z))) over the full vocabulary. z: [N, V/tp] -> [N]; with inplace, z is consumed.
 
     Each rank reduces its shard (torch's fused logsumexp, or the same arithmetic in
     place so a big chunk costs no fresh allocation); the shards' results are then
     combined stably: M = max_r lse_r, lse = M + log(sum_r exp(lse_r - M)).
     """
-    local = _local_logsumexp_(z) if inplace else torch.logsumexp(z, dim=-1)   # [N]
+    if row_max is not None and shard.distributed:    # a global max is not this shard's: shift by its own
+        row_max = None
+    local = _local_logsumexp_(z, row_max) if inplace else torch.logsumexp(z, dim=-1)   # [N]
     if not shard.distributed:
         return local
     m = _finite_or_zero(vp_max(local[:, None], shard))               # [N]
