@@ -119,7 +119,7 @@ def main() -> int:
               "json_encode_s": {n: statistics.median(v) for n, v in encode.items()}, "vllm_note": note, "rows": rows}
     out = write_result(result, "http")
     by = {(r["group"], r["case"].split("k=")[-1]): r["median_s"] for r in rows}
-    print(f"\n| k | logitserve HTTP | logitserve gRPC | vLLM server | HTTP vs vLLM | gRPC vs vLLM |\n|---|---|---|---|---|---|")
+    print("\n| k | logitserve HTTP | logitserve gRPC | vLLM server | HTTP vs vLLM | gRPC vs vLLM |\n|---|---|---|---|---|---|")
     for k in map(str, args.ks):
         h, g, v = by.get(("logitserve HTTP", k)), by.get(("logitserve gRPC", k)), by.get(("vLLM server", k))
         ratio = (lambda a: f"{v / a:.1f}x" if v and a else "-")

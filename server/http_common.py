@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable, Optional
+from typing import Any, Awaitable, Callable
 
 import numpy as np
 import orjson
@@ -22,7 +22,6 @@ from .requests import Decoded, Outcome, Pipeline
 # Bytes one JSON logprob entry takes at most, about: `"12345":{"logprob":-12.345678901234567,"rank":12345,
 # "decoded_token":"..."}` with a token text of up to ~20 bytes. Checked against --max-response-bytes.
 JSON_ENTRY_BYTES = 96
-_INT64 = np.iinfo(np.int64)
 
 
 class Failed(Exception):

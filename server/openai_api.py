@@ -58,9 +58,15 @@ def _k(value: Optional[int], vocab: int) -> Optional[int]:
     return None if value is None else (vocab if value == -1 else value)
 
 
-def _check_k(name: str, k: Optional[int], vocab: int) -> None:
-    if k is not None and k > vocab:
-        raise InvalidRequest(name, f"{k} is over the vocabulary size {vocab}; use -1 for every token")
+def _ks(p: dict, vocab: int, where: str = "") -> tuple[Optional[int], Optional[int]]:
+    """(prompt_logprobs k, logprobs k) of typed fields, -1 as V; a k over V is refused naming the field."""
+    ks = []
+    for name in ("prompt_logprobs", "logprobs"):
+        k = _k(p.get(name), vocab)
+        if k is not None and k > vocab:
+            raise InvalidRequest(where + name, f"{k} is over the vocabulary size {vocab}; use -1 for every token")
+        ks.append(k)
+    return ks[0], ks[1]
 
 
 def _temperature(t: Optional[float]) -> float:
@@ -164,10 +170,7 @@ async def completions(ctx: Ctx, body: dict, client: str) -> dict:
         _not_reward(ctx, "model")
         p = fields(body, COMPLETIONS)
         ctx.check_model(p.get("model"))
-        V = ctx.loaded.vocab_size
-        prompt_k, sample_k = _k(p.get("prompt_logprobs"), V), _k(p.get("logprobs"), V)
-        _check_k("prompt_logprobs", prompt_k, V)
-        _check_k("logprobs", sample_k, V)
+        prompt_k, sample_k = _ks(p, ctx.loaded.vocab_size)
         if p.get("stream"):
             why = ("`prompt_logprobs` are not available when `stream=True`" if prompt_k else
                    "this server answers whole (prompt scoring has nothing to stream); set stream to false")
@@ -258,9 +261,7 @@ async def generate(ctx: Ctx, body: dict, client: str) -> dict:
         if p.get("stream"):
             raise InvalidRequest("stream", "this server answers whole; set stream to false")
         V = ctx.loaded.vocab_size
-        prompt_k, sample_k = _k(s.get("prompt_logprobs"), V), _k(s.get("logprobs"), V)
-        _check_k("sampling_params.prompt_logprobs", prompt_k, V)
-        _check_k("sampling_params.logprobs", sample_k, V)
+        prompt_k, sample_k = _ks(s, V, "sampling_params.")
         seq = id_array(body.get("token_ids"), "token_ids")
         if not len(seq):
             raise InvalidRequest("token_ids", "at least one token id is needed")

@@ -321,7 +321,6 @@ def test_column_wise_json_equals_vllms_dicts(http_model):
     from logitserve.server.json_logprobs import VocabTables
     from logitserve.server.openai_api import _prompt_dicts, _prompt_json
     from logitserve.server.scoring import Rows
-    from logitserve.tokenizing import load_tokenizer
 
     _, server, _ = http_model
     texts = TokenTexts(server.running.pipeline.text)

@@ -47,7 +47,7 @@ def _check_ranks(got, z, seq) -> None:
     lo, hi = ref_rank_bounds(z, seq)
     assert got.dtype == np.int32 and got.shape == (len(seq),)
     assert np.all((got >= lo) & (got <= hi)), f"ranks {got} outside [{lo}, {hi}]"
-    assert np.mean(lo == hi) > 0.9
+    assert np.mean(lo == hi) > 0.5     # most rows decided: the check is not vacuous
 
 
 @pytest.mark.parametrize("temperature,top_p", [(1.0, None), (0.7, 0.5)])

@@ -89,7 +89,6 @@ def test_filters_and_topk_logprobs_equal_reference(sharded):
         _close(vals[j], torch.sort(lp, -1, descending=True).values[:, :5].numpy())
 
 
-@pytest.mark.parametrize("tp,cp", [(2, 1), (2, 2)])
 def test_http_routes_under_tp_and_cp(sharded):
     """vLLM's /v1/completions through a sharded server: bad input refused with 400 (the ranks never see it),
     then prompt_logprobs and ranks equal to the one-process float64 reference."""
@@ -109,6 +108,7 @@ def test_http_routes_under_tp_and_cp(sharded):
     _check_ranks(np.array([0] + [plp[t][str(seq[t])]["rank"] for t in range(1, len(seq))], np.int32), z, seq)
 
 
+@pytest.mark.parametrize("tp,cp", [(2, 1), (2, 2)])
 def test_reward_scores_under_tp_and_cp(reward_dirs, tp, cp):
     directory = reward_dirs["llama"]
     ref = Reference(directory)
