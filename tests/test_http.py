@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import base64
 import json
+import os
+import subprocess
+import sys
 import urllib.error
 import urllib.request
 
@@ -343,3 +346,42 @@ def test_column_wise_json_equals_vllms_dicts(http_model):
     want = [None] * 3 + _prompt_dicts(seq, rows, k, ctx, L)
     assert got == want and all(list(g) == list(w) for g, w in zip(got[3:], want[3:]))
     assert got[1 + 3][str(top[1, -1])]["logprob"] == values[1, -1].item() and want[3][str(top[0, -1])]["logprob"] == -9999.0
+
+
+TRL_CLIENT = r"""
+import json, sys, requests
+from trl.generation.vllm_client import VLLMClient
+base, seqs, pls = sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3])
+# VLLMClient's constructor insists on vLLM being importable (its generation side); the teacher path is this:
+client = VLLMClient.__new__(VLLMClient)
+client.session, client.base_url = requests.Session(), base
+client.check_server(total_timeout=10)                          # GET /health
+client.model = requests.get(base + "/v1/models").json()["data"][0]["id"]   # as TRL reads it
+out = client.get_sequence_logprobs(seqs, pls, top_logprobs=4, temperature=0.9)
+print(json.dumps(out).replace("-Infinity", "null"))
+"""
+
+
+def test_trl_vllm_client_get_sequence_logprobs(http_model, tmp_path):
+    """TRL's own VLLMClient.get_sequence_logprobs (trl 1.16, installed here without its vLLM side) against the
+    server: its parse of prompt_logprobs gives the reference top-k and the realized tokens' logprobs."""
+    base, _, ref = http_model
+    target = tmp_path / "site"
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target), "trl==1.16.0",
+                    "requests", "urllib3", "idna", "charset-normalizer", "certifi"], check=True, timeout=600)
+    seqs = [s.tolist() for s in random_seqs(np.random.default_rng(14), [12, 9])]
+    pls = [8, 1]
+    run = subprocess.run([sys.executable, "-c", TRL_CLIENT, base, json.dumps(seqs), json.dumps(pls)],
+                         capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "PYTHONPATH": str(target)})
+    assert run.returncode == 0, run.stderr[-2000:]
+    out = json.loads(run.stdout.strip().splitlines()[-1])
+    for b, (seq, pl) in enumerate(zip(seqs, pls)):
+        z = ref.logits(seq, 0.9)
+        lsm = torch.log_softmax(z, -1)
+        want = ref_token_logprobs(z, seq)
+        assert len(out["logprobs"][b]) == len(seq) - pl
+        for j, t in enumerate(range(pl, len(seq))):
+            _close(out["logprobs"][b][j], torch.sort(lsm[t - 1], descending=True).values[:4].numpy())
+            assert out["actual_token_ids"][b][j] == [seq[t]]
+            _close(out["actual_logprobs"][b][j], [want[t]])
