@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 # CPU torch first: with no torch present an unpinned install would pull a multi-GB CUDA build.
 TORCH ?= torch==2.13.0
 
-.PHONY: install serve test load-test bench bench-batching bench-groups bench-http
+.PHONY: install serve test load-test bench bench-batching bench-groups bench-http gpu-wheels gpu-check-dry
 $(STAMP): pyproject.toml setup.py proto/logitserve/v1/logitserve.proto
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
@@ -36,3 +36,9 @@ bench-groups: $(STAMP)  ## RL-shaped groups: prompt_lengths and shared prompts v
 
 bench-http: $(STAMP)  ## the HTTP routes against vLLM's server on the same /v1/completions body (k=20, k=100)
 	$(BIN)/python bench/http_peer.py $(ARGS)
+
+gpu-wheels: $(STAMP)  ## the wheels bench/gpu_check.sh installs on the lent GPU machine (cp312 manylinux) into .whl/
+	PYTHON=$(BIN)/python bash bench/gpu_wheels.sh .whl 3.12
+
+gpu-check-dry: $(STAMP)  ## bench/gpu_check.sh's steps here on the CPU (what CI runs in tests/test_gpu_check.py)
+	PYTHON=$(BIN)/python bash bench/gpu_check.sh --dry-run

@@ -31,9 +31,10 @@ DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 def workload_lengths(name: str) -> list[int]:
     if name == "mixed":   # a fixed draw: 12 sequences, lengths uniform in 16..1024
         return [int(n) for n in np.random.default_rng(7).integers(16, 1025, 12)]
-    if name == "64x128":
-        return [128] * 64
-    return WORKLOADS[name]
+    if name in WORKLOADS:
+        return WORKLOADS[name]
+    n, _, length = name.partition("x")      # any NxL: N sequences of L tokens (64x128: the reward workload)
+    return [int(length)] * int(n)
 
 
 def floor_cases(model, seqs, device, reward: bool = False) -> dict:

@@ -19,12 +19,35 @@ from run import start_server  # noqa: E402
 from logitserve.client import TeacherClient  # noqa: E402
 
 
-def serve(layout: str, device: str):
+def serve(layout: str, device: str, dtype: str = "bf16"):
     """layout: "TPxCP", optionally ":exact" for exact batching (packed otherwise)."""
     grid, _, batching = layout.partition(":")
     tp, cp = grid.split("x")
-    return start_server("--dtype", "bf16", "--device", device, "--tp", tp, "--cp", cp,
+    return start_server("--dtype", dtype, "--device", device, "--tp", tp, "--cp", cp,
                         "--batching", batching or "packed")
+
+
+def compare(name: str, got: dict, base: dict, tol: float) -> bool:
+    lp = max(np.abs(a - b).max() for a, b in zip(got["lp"], base["lp"]))
+    z = max(np.abs(a - b).max() for a, b in zip(got["z"], base["z"]))
+    same = np.mean([np.mean(a[:, 0] == b[:, 0]) for a, b in zip(got["topi"], base["topi"])])
+    ok = bool(lp <= tol and z <= 2 * tol and same >= 0.95)
+    print(f"{name}: max |logprob diff| {lp:.2e}, max |logit diff| {z:.2e}, top-1 id agreement {same:.4f}  "
+          f"{'OK' if ok else 'FAIL'} (bound {tol:g}, logits {2 * tol:g}, top-1 >= 0.95)")
+    return ok
+
+
+def against_fp32(args, seqs) -> int:
+    """bf16 serving against fp32 serving of the same weights, 1x1: bf16's rounding, within the stated bound."""
+    results = {}
+    for dtype in ("fp32", "bf16"):
+        proc, address = serve("1x1", args.device, dtype)
+        try:
+            results[dtype] = outputs(address, seqs)
+        finally:
+            proc.terminate()
+            proc.wait(60)
+    return 0 if compare("bf16 vs fp32, 1x1", results["bf16"], results["fp32"], args.tol) else 1
 
 
 def outputs(address: str, seqs) -> dict:
@@ -38,9 +61,13 @@ def main() -> int:
     p.add_argument("--device", default="cuda")
     p.add_argument("--layouts", default="1x1,2x1,1x2")
     p.add_argument("--tol", type=float, default=0.15, help="max |logprob diff|; logits get 2x")
+    p.add_argument("--against-fp32", action="store_true",
+                   help="bf16 1x1 against fp32 1x1 instead of layouts against 1x1 (same bound)")
     args = p.parse_args()
     rng = np.random.default_rng(0)
     seqs = [rng.integers(0, 32000, n) for n in (1, 17, 300, 1001)]
+    if args.against_fp32:
+        return against_fp32(args, seqs)
     results = {}
     for layout in args.layouts.split(","):
         proc, address = serve(layout, args.device)
@@ -52,13 +79,7 @@ def main() -> int:
     base = results["1x1"]
     failed = False
     for layout, got in results.items():
-        lp = max(np.abs(a - b).max() for a, b in zip(got["lp"], base["lp"]))
-        z = max(np.abs(a - b).max() for a, b in zip(got["z"], base["z"]))
-        same = np.mean([np.mean(a[:, 0] == b[:, 0]) for a, b in zip(got["topi"], base["topi"])])
-        ok = lp <= args.tol and z <= 2 * args.tol and same >= 0.95
-        failed |= not ok
-        print(f"{layout}: max |logprob - 1x1| {lp:.2e}, max |logit - 1x1| {z:.2e}, "
-              f"top-1 id agreement {same:.4f}  {'OK' if ok else 'FAIL'}")
+        failed |= not compare(f"{layout} vs 1x1", got, base, args.tol)
     return 1 if failed else 0
 
 

@@ -1,33 +1,157 @@
 #!/usr/bin/env bash
-# GPU checks for sharded serving, in one command:  bash bench/gpu_check.sh
-#  1. the CPU suite's equality checks (fp32, against one-process float64 transformers) with CUDA + NCCL,
-#     on every (tp, cp) layout the GPUs fit: 1 GPU -> 1x1; 2 -> 1x1 2x1 1x2; 4+ -> also 2x2;
-#  2. bf16 on CUDA: every layout, and 1x1 in exact batching, against tp = cp = 1 bf16 on the demo model
-#     (bench/gpu_check.py);
-#  3. throughput by batch shape on CUDA: a ~1.1B Llama (the `1b` demo shape, built locally, bf16), 8x512,
-#     64x64, a mixed batch and reward 64x128, packed and exact against the batched in-process floor
-#     (bench/batching.py);
-#  4. RL-shaped groups on CUDA bf16 (bench/groups.py: agentic, chat, math, reward, shared prefixes on and off).
-#     The whole script is sized to finish in under 8 minutes on one GPU.
-set -euo pipefail
+# The device check, one prepared script for the lent GPU machine:   bash bench/gpu_check.sh [--dry-run]
+#
+# On the lent machine (device tool: carry .whl, made here by `make gpu-wheels`; nothing installs from an index
+# there) it installs the carried wheels into a target directory, prints every version and what the installed
+# torch offers the CUDA paths, then runs each step on its own (one failure never hides the rest):
+#   versions      python, torch + CUDA, transformers, grpcio, protobuf, logitserve, GPUs, capability probes
+#   equality      fp32 outputs on CUDA against one-process float64 transformers (tests/test_parallel_serving.py:
+#                 every output, filters, the HTTP routes), at every (tp, cp) layout the GPUs fit
+#   nccl          the same at tp 2 / cp 2 under NCCL (needs 2+ GPUs: printed as skipped, never as passed)
+#   bf16          bf16 against fp32 on the demo model, within a stated bound (bench/gpu_check.py --against-fp32)
+#   flash         a bf16 packed batch ran varlen flash attention, not the sdpa fallback
+#   load          load time and peak GPU memory of the 1b demo shape in bf16
+#   throughput    packed and exact against a batched in-process bf16 forward, 1b shape (bench/batching.py)
+#   groups        RL-shaped groups, prompt_lengths and shared prompts, 1b shape (bench/groups.py)
+# It writes its log and a JSON summary to $OUT (else bench/results/gpu_check-<time>/), exits non-zero if a step
+# failed, and is sized for under 8 minutes on one H200.
+#
+# --dry-run runs the same steps here on the CPU (fp32 where the GPU runs bf16, the demo shape, one repeat),
+# with wheels for this machine's Python (.whl-dry, built by bench/gpu_wheels.sh on first use): CI runs it
+# (tests/test_gpu_check.py), so the script itself cannot rot.
+set -uo pipefail
 cd "$(dirname "$0")/.."
-PY=${PYTHON:-python}
-n=$($PY -c "import torch; print(torch.cuda.device_count())")
-echo "CUDA devices: $n"; nvidia-smi -L || true
-if [ "$n" -lt 1 ]; then echo "no GPU: nothing to check"; exit 1; fi
-layouts="1x1"
-[ "$n" -ge 2 ] && layouts="1x1,2x1,1x2"
-[ "$n" -ge 4 ] && layouts="1x1,2x1,1x2,2x2"
-echo "== fp32 equality with NCCL, layouts $layouts"
-LOGITSERVE_TEST_DEVICE=cuda LOGITSERVE_TEST_LAYOUTS=$layouts \
-  $PY -m pytest -q -ra tests/test_parallel_serving.py -k "every_output or filters"
-if [ "$n" -ge 2 ]; then
-  echo "== sharded loading + TP plans from transformers with NCCL: the architecture matrix at TP 2"
-  LOGITSERVE_TEST_DEVICE=cuda $PY -m pytest -q -ra tests/test_architectures.py -k "tp2"
+DRY=0
+[ "${1:-}" = "--dry-run" ] && DRY=1
+PY=${PYTHON:-python3}
+DIR=${OUT:-bench/results/gpu_check-$(date +%Y%m%d-%H%M%S)}
+mkdir -p "$DIR"
+LOG="$DIR/gpu_check.log"
+STEPS="$DIR/steps.jsonl"
+: > "$LOG"
+: > "$STEPS"
+exec > >(tee -a "$LOG") 2>&1
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+
+record() {   # name status seconds note
+  "$PY" -c 'import json, sys; print(json.dumps(dict(zip(("name", "status", "seconds", "note"), sys.argv[1:]))))' \
+    "$1" "$2" "$3" "${4:-}" >> "$STEPS"
+}
+step() {     # name timeout_s command...: runs it, records pass/fail and its seconds, never stops the script
+  local name=$1 limit=$2 start end status
+  shift 2
+  echo "== $name"
+  start=$(date +%s)
+  if timeout "$limit" "$@"; then status=pass; else status=fail; fi
+  end=$(date +%s)
+  echo "== $name: $status in $((end - start)) s"
+  record "$name" "$status" "$((end - start))"
+}
+skip() {     # name why
+  echo "== $1: skipped ($2)"
+  record "$1" skipped 0 "$2"
+}
+
+if [ "$DRY" = 1 ]; then
+  WHEELS=.whl-dry DEVICE=cpu DTYPE=fp32 SHAPE=demo REPEATS=1 WORKLOADS=4x64
+  [ -d "$WHEELS" ] || bash bench/gpu_wheels.sh "$WHEELS" here
+else
+  WHEELS=.whl DEVICE=cuda DTYPE=bf16 SHAPE=1b REPEATS=3 WORKLOADS=8x512,64x64
 fi
-echo "== bf16 consistency, layouts $layouts"
-$PY bench/gpu_check.py --device cuda --layouts "$layouts,1x1:exact"
-echo "== throughput by batch shape, CUDA bf16, 1b shape"
-$PY bench/batching.py --device cuda --dtype bf16 --shapes 1b --workloads 8x512,64x64,mixed,64x128 --repeats 5
-echo "== RL groups (prompt_lengths, shared prompts), CUDA bf16, 1b shape"
-$PY bench/groups.py --device cuda --dtype bf16 --model-shape 1b --repeats 5
+SITE=$(mktemp -d)/site
+if ls "$WHEELS"/*.whl > /dev/null 2>&1; then
+  step install 120 "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$SITE" \
+    "$WHEELS"/*.whl
+  export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
+else
+  skip install "no wheels in $WHEELS (make gpu-wheels here, then carry .whl): using what is installed"
+fi
+
+step versions 120 "$PY" - "$DEVICE" <<'EOF'
+import json, platform, subprocess, sys
+import google.protobuf, grpc, numpy, torch, transformers
+import logitserve
+from logitserve.capabilities import probe
+device = sys.argv[1]
+gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+print(json.dumps({"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
+                  "transformers": transformers.__version__, "grpcio": grpc.__version__,
+                  "protobuf": google.protobuf.__version__, "numpy": numpy.__version__,
+                  "logitserve": logitserve.__version__, "logitserve_from": logitserve.__file__, "gpus": gpus,
+                  "capabilities": probe(device).as_dict()}, indent=1))
+if device == "cuda" and not gpus:
+    sys.exit("no GPU visible to torch")
+EOF
+
+NGPU=$("$PY" -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
+[ "$DRY" = 1 ] && NGPU=0
+LAYOUTS=1x1
+[ "$NGPU" -ge 2 ] && LAYOUTS=1x1,2x1,1x2
+[ "$NGPU" -ge 4 ] && LAYOUTS=1x1,2x1,1x2,2x2
+
+step equality 300 env LOGITSERVE_TEST_DEVICE="$DEVICE" LOGITSERVE_TEST_LAYOUTS=1x1 \
+  "$PY" -m pytest -q -ra -p no:cacheprovider tests/test_parallel_serving.py -k "every_output or filters or http"
+if [ "$NGPU" -ge 2 ]; then
+  step nccl 300 env LOGITSERVE_TEST_DEVICE=cuda LOGITSERVE_TEST_LAYOUTS="$LAYOUTS" \
+    "$PY" -m pytest -q -ra -p no:cacheprovider tests/test_parallel_serving.py -k "every_output and not tp1-cp1"
+else
+  skip nccl "tp 2 / cp 2 under NCCL need 2 GPUs; this machine has $NGPU"
+fi
+
+step bf16 240 "$PY" bench/gpu_check.py --device "$DEVICE" --against-fp32
+
+if [ "$DEVICE" = cuda ]; then
+  step flash 120 "$PY" - <<'EOF'
+import numpy as np, torch
+from logitserve import packing
+from logitserve.demo import demo_dir
+from logitserve.engine import Engine, EngineConfig
+from logitserve.loading import load_model
+from logitserve.spec import Job, LogprobsOpts
+loaded = load_model(demo_dir("causal"), dtype="bf16")
+loaded.model.to("cuda")
+engine = Engine(loaded, EngineConfig())
+seqs = tuple(np.random.default_rng(0).integers(3, 32000, n).astype(np.int32) for n in (17, 300, 64))
+for _ in engine.batch_steps([Job(seqs, logprobs=LogprobsOpts())]):
+    pass
+print(f"flash varlen calls: {packing.flash_calls}, flash on: {packing._flash_ok}")
+assert packing.flash_calls > 0 and packing._flash_ok, "bf16 packed attention did not run on varlen flash"
+EOF
+else
+  skip flash "the CPU has no flash varlen kernel: packed attention runs sdpa per length there"
+fi
+
+step load 240 "$PY" - "$DEVICE" "$DTYPE" "$SHAPE" <<'EOF'
+import sys, time, torch
+from logitserve.hostmem import peak_rss_mib
+from logitserve.server.app import ModelConfig, load
+device, dtype, shape = sys.argv[1:]
+load(ModelConfig(demo_shape=shape, dtype=dtype, device=device))   # builds the demo shape once (not timed)
+if device == "cuda":
+    torch.cuda.empty_cache(); torch.cuda.reset_peak_memory_stats()
+t = time.perf_counter()
+loaded = load(ModelConfig(demo_shape=shape, dtype=dtype, device=device))
+seconds = time.perf_counter() - t
+gpu = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else 0.0
+params = sum(p.numel() for p in loaded.model.parameters()) / 1e9
+print(f"load: {shape} ({params:.2f} B parameters, {dtype}) on {device} in {seconds:.1f} s; peak GPU memory "
+      f"{gpu:.2f} GiB; peak host RSS {peak_rss_mib():.0f} MiB")
+EOF
+
+step throughput 300 "$PY" bench/batching.py --device "$DEVICE" --dtype "$DTYPE" --shapes "$SHAPE" \
+  --workloads "$WORKLOADS" --repeats "$REPEATS"
+step groups 300 "$PY" bench/groups.py --device "$DEVICE" --dtype "$DTYPE" --model-shape "$SHAPE" \
+  --shapes chat,reward --repeats "$REPEATS"
+
+"$PY" - "$STEPS" "$DIR/gpu_check.json" "$DRY" <<'EOF'
+import json, sys
+steps = [json.loads(line) for line in open(sys.argv[1])]
+summary = {"dry_run": sys.argv[3] == "1", "steps": steps,
+           "failed": [s["name"] for s in steps if s["status"] == "fail"],
+           "skipped": [s["name"] for s in steps if s["status"] == "skipped"]}
+json.dump(summary, open(sys.argv[2], "w"), indent=1)
+print("summary:", json.dumps({s["name"]: s["status"] for s in steps}))
+EOF
+rm -f "$STEPS"
+grep -q '"status": "fail"' "$DIR/gpu_check.json" && exit 1
+exit 0

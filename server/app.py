@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+from concurrent.futures import ThreadPoolExecutor
 import logging
 import signal
 import time
@@ -115,11 +116,31 @@ def load_rank(model: ModelConfig, ctx) -> tuple:
     if ctx.tp == 1:
         return apply_parallelism(load(model), ctx)
     path, name = _source(model)
-    content = content_hash(path) if ctx.is_root else ""      # only rank 0 reports it
+    # Only rank 0 reports the hash. It reads every weight file (minutes for a 100+ GB teacher), so it runs beside
+    # the loading, and the other ranks then wait for it in a barrier with a start-up timeout, not in a model
+    # collective whose --collective-timeout it would exceed.
+    hashing = ThreadPoolExecutor(1).submit(content_hash, path) if ctx.is_root else None
     loaded, shard = load_sharded(path, model.dtype, ctx.device, ctx.tp_rank, ctx.tp, ctx.tp_group,
-                                 max_seq_len=model.max_seq_len, name=name, content=content)
+                                 max_seq_len=model.max_seq_len, name=name, content="")
+    if hashing is not None:
+        loaded = dataclasses.replace(loaded, content_hash=hashing.result())
+    startup_barrier(ctx)
     hook_cp(loaded, ctx)
     return loaded, shard
+
+
+STARTUP_TIMEOUT_S = 3600.0     # ranks waiting for rank 0's checkpoint hash at start-up
+
+
+def startup_barrier(ctx, timeout_s: float = STARTUP_TIMEOUT_S) -> None:
+    """Every rank here before any model collective: a gloo barrier on the control group with its own timeout."""
+    import datetime
+
+    import torch.distributed as dist
+
+    if ctx.control_group is None:
+        return
+    dist.monitored_barrier(ctx.control_group, timeout=datetime.timedelta(seconds=timeout_s), wait_all_ranks=True)
 
 
 @dataclass

@@ -162,10 +162,11 @@ def _cmd_serve(args, argv: list[str]) -> int:
 
     parallel = ParallelConfig(tp=args.tp, cp=args.cp, collective_timeout_s=args.collective_timeout,
                               device=args.device)
-    from logitserve.preflight import StartupError, check_layout, check_model_dir
+    from logitserve.preflight import StartupError, check_layout, check_model_dir, check_versions
 
     if not under_torchrun():       # once, before any rank starts (under torchrun: every rank checks alike)
         try:
+            check_versions()
             check_model_dir(args.model)
             check_layout(args.model, args.demo, args.demo_shape, args.tp, args.cp)
         except StartupError as e:
@@ -184,8 +185,9 @@ def _cmd_serve(args, argv: list[str]) -> int:
             return 1
     if parallel.world_size > 1 and not under_torchrun():
         return spawn_local(argv[1:], parallel.world_size, args.threads)
-    if not args.no_malloc_tuning:
-        from logitserve.hostmem import tune_host_malloc
+    serves_on_cpu = args.device == "cpu" or (args.device == "auto" and not torch.cuda.is_available())
+    if not args.no_malloc_tuning and serves_on_cpu:   # tuned for CPU serving's big host tensors; a GPU server's
+        from logitserve.hostmem import tune_host_malloc    # host side keeps glibc's defaults
 
         tune_host_malloc()
     hf_logging.disable_progress_bar()

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from .collectives import CollectiveFailed
+from .errors import OverLimit
 from .context_parallel import cp_forward, head_tail
 from .loading import LoadedModel
 from .memory import ModelDims
@@ -91,6 +92,9 @@ class Engine:
         self.shard = shard or full_vocab(loaded.vocab_size)
         self.parallel = parallel or single_rank(str(loaded.head.weight.device))
         self.device = loaded.head.weight.device
+        from .capabilities import probe
+
+        self._mm_fp32 = loaded.head.weight.dtype != torch.float32 and probe(str(self.device)).mm_out_dtype
         self._zbuf: torch.Tensor | None = None   # [chunk, V/tp] fp32, reused: fresh 64 MiB buffers cost page faults
         # Local columns from here on are padding (tp does not divide V): masked to -inf.
         pad_from = min(self.shard.size, max(0, self.shard.vocab_size - self.shard.start))
@@ -139,6 +143,10 @@ class Engine:
         z = self._zbuf[:rows]
         if head.weight.dtype == torch.float32:
             torch.matmul(h, head.weight.t(), out=z)
+            if head.bias is not None:
+                z.add_(head.bias)
+        elif self._mm_fp32:   # CUDA: bf16/fp16 inputs, fp32 output: the logits are never rounded to bf16
+            z.copy_(torch.mm(h, head.weight.t(), out_dtype=torch.float32))
             if head.bias is not None:
                 z.add_(head.bias)
         else:   # reduced-precision models: the matmul in their dtype, upcast into the buffer
@@ -356,6 +364,22 @@ def _span_is_empty(job: Job, i: int) -> bool:
             and any(x is not None for x in (job.logprobs, job.topk, job.candidates)))
 
 
+_OOM = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
+
+
+def _out_of_memory(e: Exception) -> Optional[OverLimit]:
+    """A device or host allocation that failed for this job alone (its shared batch was already redone per job):
+    the request's RESOURCE_EXHAUSTED, with the allocator's cache returned; None for any other error."""
+    host = isinstance(e, MemoryError) or (isinstance(e, RuntimeError) and "can't allocate memory" in str(e))
+    if not (isinstance(e, _OOM) or host):
+        return None
+    if isinstance(e, _OOM) and torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    where = "host" if host else "device"
+    return OverLimit(f"memory: the {where} ran out of memory computing this request alone ({str(e)[:160]}); send "
+                     f"fewer or shorter sequences per request (a --memory-budget refuses such requests up front)")
+
+
 class _Run:
     """A batch in progress: its jobs, which were skipped or failed, and whether failures stay with their job."""
 
@@ -379,7 +403,7 @@ class _Run:
         except Exception as e:
             self.reraise_unless_isolated(e)
             self.failed.add(j)
-            yield Step((j,), errors=((j, e),))
+            yield Step((j,), errors=((j, _out_of_memory(e) or e),))
 
     def reraise_unless_isolated(self, e: Exception) -> None:
         """A job's own error stays with the job (when isolating); a failed collective never does. Across ranks only

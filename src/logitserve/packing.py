@@ -201,17 +201,42 @@ def _flash_varlen(query, key, value, cu, max_len, scaling, window) -> torch.Tens
     q = query[0].transpose(0, 1).contiguous()                              # [N, H, D]
     k = key[0].transpose(0, 1).contiguous()                                # [N, Hkv, D]
     v = value[0].transpose(0, 1).contiguous()
-    left = window - 1 if window else -1
-    kw = dict(scale=scaling, window_size=(left, 0))
-    if query.shape[1] == key.shape[1]:
-        return varlen_attn(q, k, v, cu, cu, max_len, max_len, **kw)[None]
-    try:
-        out = varlen_attn(q, k, v, cu, cu, max_len, max_len, enable_gqa=True, **kw)      # [N, H, D]
-    except TypeError:    # a torch whose varlen_attn takes no enable_gqa: repeat the KV heads instead
-        groups = q.shape[1] // k.shape[1]
-        out = varlen_attn(q, k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1), cu, cu,
-                          max_len, max_len, **kw)
-    return out[None]
+    caps = probe_varlen()
+    kw = dict(scale=scaling)
+    if caps["window_size"]:             # (-1, 0): causal; (W - 1, 0): causal within a sliding window
+        kw["window_size"] = (window - 1 if window else -1, 0)
+    elif caps["is_causal"] and not window:
+        kw["is_causal"] = True
+    else:                               # the sdpa path serves it: flash goes off with one warning
+        raise NotImplementedError("this torch's varlen_attn takes no window_size (causal / sliding-window masks)")
+    if query.shape[1] != key.shape[1]:
+        if caps["enable_gqa"]:
+            kw["enable_gqa"] = True
+        else:            # a torch whose varlen_attn takes no enable_gqa: repeat the KV heads instead
+            groups = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    global flash_calls
+    flash_calls += 1
+    return varlen_attn(q, k, v, cu, cu, max_len, max_len, **kw)[None]                      # [1, N, H, D]
+
+
+flash_calls = 0           # packed attentions that ran on flash varlen (bench/gpu_check.sh asserts it ran)
+
+
+def probe_varlen() -> dict:
+    """Which keyword arguments this torch's varlen_attn takes (they moved between versions)."""
+    global _varlen_caps
+    if _varlen_caps is None:
+        import inspect
+
+        from torch.nn.attention.varlen import varlen_attn
+
+        params = inspect.signature(varlen_attn).parameters
+        _varlen_caps = {name: name in params for name in ("enable_gqa", "window_size", "is_causal")}
+    return _varlen_caps
+
+
+_varlen_caps = None
 
 
 def varlen_attention_forward(module, query, key, value, attention_mask, dropout: float = 0.0,
@@ -233,7 +258,8 @@ def varlen_attention_forward(module, query, key, value, attention_mask, dropout:
             return _flash_varlen(query, key, value, cu, max(lengths), scaling, sliding_window), None
         except torch.cuda.OutOfMemoryError:      # this batch's problem, not the kernel's: flash stays on
             raise
-        except (RuntimeError, ImportError, NotImplementedError) as e:   # no flash kernel for this GPU or build
+        except (RuntimeError, ImportError, NotImplementedError, TypeError) as e:   # no flash kernel for this GPU,
+            # build or torch version (a TypeError: an argument this torch's varlen_attn does not take)
             _flash_ok = False
             log.warning("varlen flash attention unavailable (%s); packed attention uses sdpa per length", e)
     # Shared prefixes take this path on CUDA too: sdpa with a [R, S + R] mask per continuation run (the

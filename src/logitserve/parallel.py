@@ -74,6 +74,17 @@ def _device(config: ParallelConfig) -> torch.device:
     return torch.device("cuda", local)
 
 
+def nccl_options(device: torch.device) -> dict:
+    """NCCL that raises: a timed-out collective must raise in the rank (so rank 0 answers UNAVAILABLE and exits
+    non-zero) rather than be aborted by the watchdog; and NCCL bound to this rank's GPU from the start
+    (device_id, where this torch takes it). Set before the process group exists; the user's settings win."""
+    os.environ.setdefault("TORCH_NCCL_BLOCKING_WAIT", "1")           # waits raise on timeout
+    os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "0")    # the watchdog does not tear the process down
+    from .capabilities import probe
+
+    return {"device_id": device} if probe(str(device)).nccl_device_id else {}
+
+
 def init_parallel(config: ParallelConfig) -> ParallelContext:
     """Join the process group (env:// rendezvous: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) and make the groups."""
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -82,7 +93,8 @@ def init_parallel(config: ParallelConfig) -> ParallelContext:
     device = _device(config)
     backend = "nccl" if device.type == "cuda" else "gloo"
     timeout = datetime.timedelta(seconds=config.collective_timeout_s)
-    dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout)
+    kw = nccl_options(device) if backend == "nccl" else {}
+    dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout, **kw)
     tp, cp = config.tp, config.cp
     tp_rank, cp_rank = rank % tp, rank // tp
     tp_group = cp_group = None

@@ -63,3 +63,27 @@ def check_layout(path: Optional[str], demo: str, demo_shape: str, tp: int, cp: i
         check_tp(config, tp)
     except ValueError as e:
         raise StartupError(str(e)) from None
+
+
+# The oldest versions the server is tested on (CI: torch 2.13, transformers 5.20.2 and 5.25; the lent GPU image's
+# torch 2.11 through bench/gpu_check.sh, carrying transformers 5.20.2 since its own 5.17 is older).
+MIN_VERSIONS = {"torch": (2, 11), "transformers": (5, 20)}
+
+
+def _version(text: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in re.findall(r"\d+", text.split("+")[0])[:2])
+
+
+def check_versions(installed: Optional[dict] = None) -> None:
+    """torch and transformers at least MIN_VERSIONS, or one line naming the version needed and how to get it."""
+    if installed is None:
+        import torch
+        import transformers
+
+        installed = {"torch": torch.__version__, "transformers": transformers.__version__}
+    for name, floor in MIN_VERSIONS.items():
+        if _version(installed[name]) < floor:
+            need = ".".join(map(str, floor))
+            raise StartupError(f"{name} {installed[name]} is installed; logitserve needs {name} >= {need} "
+                               f"(pip install '{name}>={need}'; on a machine without an index, carry its wheel: "
+                               f"bench/gpu_wheels.sh)")

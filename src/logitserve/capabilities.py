@@ -1,0 +1,83 @@
+"""What the installed torch offers the CUDA paths, probed once at start-up (APIs that moved between versions).
+
+The server runs on whatever torch a GPU machine has (the lent image: 2.11). Each path that uses an
+API newer than the floor asks here first and falls back where it is missing, so a first run on a new
+machine degrades with one logged line instead of failing every request:
+- `mm_out_dtype`: torch.mm(bf16, bf16, out_dtype=float32), the head GEMM with fp32 output on CUDA
+  (without it the logits are rounded to bf16 before the upcast: 0.125 steps at |z| in 16..32);
+- `varlen_attn` / `varlen_gqa`: torch.nn.attention.varlen.varlen_attn, and its enable_gqa argument;
+- `nccl_device_id`: init_process_group(device_id=...), which binds NCCL to the rank's GPU at once.
+"""
+from __future__ import annotations
+
+import inspect
+import logging
+from dataclasses import asdict, dataclass
+from functools import lru_cache
+
+import torch
+
+log = logging.getLogger("logitserve.capabilities")
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    torch: str
+    cuda: bool
+    device_name: str
+    mm_out_dtype: bool      # fp32-output GEMM from bf16/fp16 inputs on this device
+    varlen_attn: bool       # flash varlen attention importable (a CUDA build; the kernel is checked on first use)
+    varlen_gqa: bool        # varlen_attn takes enable_gqa (else KV heads are repeated)
+    nccl: bool
+    nccl_device_id: bool    # init_process_group takes device_id
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def _takes(fn, name: str) -> bool:
+    try:
+        return name in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def _mm_out_dtype(device: str) -> bool:
+    if not device.startswith("cuda") or not torch.cuda.is_available():
+        return False
+    try:
+        a = torch.ones(2, 2, dtype=torch.bfloat16, device=device)
+        return torch.mm(a, a, out_dtype=torch.float32).dtype == torch.float32
+    except (TypeError, RuntimeError, NotImplementedError):
+        return False
+
+
+@lru_cache(maxsize=None)
+def probe(device: str = "cpu") -> Capabilities:
+    """The capabilities for `device` ("cpu", "cuda", "cuda:1"), probed once per device."""
+    import torch.distributed as dist
+
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+        varlen, gqa = True, _takes(varlen_attn, "enable_gqa")
+    except ImportError:
+        varlen = gqa = False
+    cuda = device.startswith("cuda") and torch.cuda.is_available()
+    caps = Capabilities(
+        torch=torch.__version__, cuda=cuda, device_name=torch.cuda.get_device_name(device) if cuda else "cpu",
+        mm_out_dtype=_mm_out_dtype(device), varlen_attn=varlen, varlen_gqa=gqa,
+        nccl=dist.is_available() and dist.is_nccl_available(),
+        nccl_device_id=dist.is_available() and _takes(dist.init_process_group, "device_id"))
+    if cuda:
+        missing = [n for n in ("mm_out_dtype", "varlen_attn", "nccl_device_id") if not getattr(caps, n)]
+        if missing:
+            log.warning("torch %s on %s lacks %s: the fallbacks run (see logitserve.capabilities)",
+                        caps.torch, caps.device_name, ", ".join(missing))
+    return caps
+
+
+if __name__ == "__main__":
+    import json
+    import sys
+
+    print(json.dumps(probe(sys.argv[1] if len(sys.argv) > 1 else "cpu").as_dict()))
