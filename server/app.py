@@ -98,12 +98,13 @@ def load(model: ModelConfig) -> LoadedModel:
 
     t0 = time.perf_counter()
     path, name = _source(model)
-    loaded = load_model(path, dtype=model.dtype, max_seq_len=model.max_seq_len, name=name)
+    device = None
     if model.device != "cpu":
         import torch
 
         if model.device == "cuda" or torch.cuda.is_available():
-            loaded.model.to("cuda")
+            device = "cuda"        # loaded straight onto the GPU: never the whole model in host memory first
+    loaded = load_model(path, dtype=model.dtype, max_seq_len=model.max_seq_len, name=name, device=device)
     log.info("loaded the whole model in %.1f s; peak RSS %.0f MiB", time.perf_counter() - t0, peak_rss_mib())
     return loaded
 
@@ -257,6 +258,24 @@ async def create_server(loaded: LoadedModel, config: ServerConfig, layout: Optio
     return running
 
 
+DEVICE_BUDGET_FRACTION = 0.9   # of the GPU memory free after loading, when --memory-budget is not given
+
+
+def device_budget(config: ServerConfig, device, free_bytes: Optional[int] = None) -> ServerConfig:
+    """On a GPU without --memory-budget: a budget of 90% of the device memory free after loading, so a request
+    too big for the device is refused up front instead of failing mid-batch. Unchanged on CPU or when given."""
+    if config.scheduler.memory_budget_bytes is not None or getattr(device, "type", "cpu") != "cuda":
+        return config
+    if free_bytes is None:
+        import torch
+
+        free_bytes = torch.cuda.mem_get_info(device)[0]
+    budget = int(free_bytes * DEVICE_BUDGET_FRACTION)
+    log.info("--memory-budget %.1f GiB: %.0f%% of the GPU memory free after loading", budget / 2**30,
+             100 * DEVICE_BUDGET_FRACTION)
+    return dataclasses.replace(config, scheduler=dataclasses.replace(config.scheduler, memory_budget_bytes=budget))
+
+
 async def _serve_http(loaded: LoadedModel, config: ServerConfig, pipeline: Pipeline, auth):
     """The HTTP front-end on config.http_port, sharing the pipeline (and so the scheduler) with gRPC."""
     from .http_app import HttpFrontEnd, bind
@@ -327,6 +346,7 @@ async def serve(model: ModelConfig, config: ServerConfig) -> int:
         if stop.is_set():                                  # told to stop while loading
             await listening.close()
             return 0
+        config = device_budget(config, loaded.head.weight.device)
         running = await create_server(loaded, config, listening=listening)
     except BaseException as e:
         listening.gate.fail(f"{type(e).__name__}: {e}")
@@ -397,6 +417,7 @@ async def _serve_root(model: ModelConfig, ctx, config: ServerConfig) -> int:
     loop = asyncio.get_running_loop()
     fatal = asyncio.Event()
     runner = DistributedRunner(engine, ctx, on_fatal=lambda reason: loop.call_soon_threadsafe(fatal.set))
+    config = device_budget(config, ctx.device)        # rank 0's GPU stands for each rank's (equal shards)
     estimate = memory_estimator(loaded, config, engine.shard.size, ctx.tp, ctx.cp, engine.pack_tokens)
     running = await create_server(loaded, config, layout, run_batch=runner.run_batch, idle=runner.heartbeat,
                                   estimate=estimate, batching=engine.batching, listening=listening)

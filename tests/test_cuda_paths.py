@@ -149,3 +149,15 @@ def test_nccl_options_make_timeouts_raise(monkeypatch):
     import torch.distributed as dist
 
     assert ("device_id" in kw) == ("device_id" in inspect.signature(dist.init_process_group).parameters)
+
+
+def test_a_gpu_server_gets_a_memory_budget_from_the_free_device_memory():
+    from logitserve.server.app import ServerConfig, device_budget
+    from logitserve.server.scheduler import SchedulerConfig
+
+    config = ServerConfig()
+    got = device_budget(config, torch.device("cuda", 0), free_bytes=100 << 30)
+    assert got.scheduler.memory_budget_bytes == int(0.9 * (100 << 30))
+    assert device_budget(config, torch.device("cpu")) is config                         # CPU: unchanged
+    given = ServerConfig(scheduler=SchedulerConfig(memory_budget_bytes=1 << 30))
+    assert device_budget(given, torch.device("cuda", 0), free_bytes=100 << 30) is given   # the flag wins

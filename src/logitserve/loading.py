@@ -146,16 +146,18 @@ def attention_kwargs(config) -> dict:
 
 
 def load_model(directory: str | os.PathLike, dtype: str = "fp32", max_seq_len: int | None = None,
-               name: str | None = None) -> LoadedModel:
-    """Load a whole local model directory with transformers, never touching the network."""
+               name: str | None = None, device: str | None = None) -> LoadedModel:
+    """Load a whole local model directory with transformers, never touching the network. `device` ("cuda",
+    "cuda:1"): the weights go straight there (transformers' device_map), never whole in host memory first."""
     from transformers import AutoConfig
 
     path = Path(directory)
     if dtype not in DTYPES:
         raise ValueError(f"dtype {dtype!r}: choose one of {sorted(DTYPES)}")
     config = AutoConfig.from_pretrained(path, local_files_only=True)
+    placement = {"device_map": device} if device and device != "cpu" else {}
     model = model_class(config).from_pretrained(path, dtype=DTYPES[dtype], local_files_only=True,
-                                                **attention_kwargs(config))
+                                                **placement, **attention_kwargs(config))
     model.eval()
     model.requires_grad_(False)
     return describe(model, config, path, dtype, max_seq_len, name)
