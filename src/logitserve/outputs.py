@@ -183,8 +183,13 @@ def _mask_ids_(z: torch.Tensor, ids: torch.Tensor, shard: VocabShard) -> None:
     """z at global ids -> -inf, on the rank that owns each column. z: [n, V/tp], ids: [n, k]."""
     local = ids - shard.start                                                       # [n, k]
     owned = (local >= 0) & (local < shard.size)
-    rows = torch.arange(len(z), device=z.device)[:, None].expand_as(local)
-    z[rows[owned], local[owned]] = float("-inf")
+    if not shard.distributed:                       # tp = 1: every id is this rank's
+        z.scatter_(1, local, float("-inf"))
+        return
+    # no boolean indexing (a device sync per chunk on a GPU): mark owned columns, an id owned anywhere wins
+    mask = torch.zeros(z.shape, dtype=torch.uint8, device=z.device)                 # [n, V/tp]
+    mask.scatter_reduce_(1, local.clamp(0, shard.size - 1), owned.to(torch.uint8), reduce="amax")
+    z.masked_fill_(mask.bool(), float("-inf"))
 
 
 def _per_target_piece(kind: OutputKind, i: int, values: torch.Tensor, s0: int, L: int) -> Piece:
