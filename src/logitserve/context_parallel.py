@@ -3,8 +3,12 @@
 A sequence is padded to a multiple of 2*cp and cut into 2*cp chunks of S rows;
 rank r holds chunks r and 2*cp-1-r. RoPE sees global positions. The attention
 function, registered through transformers' AttentionInterface, all-gathers K/V
-(and the positions each rank holds) over the CP group and masks by global
-position, so padding at the end is never attended by a real token.
+(and the positions each rank holds) over the CP group and puts the keys in global
+order. Each of the rank's two runs then attends to the keys up to its own end with
+a lower-right causal mask (torch's `causal_lower_right`), which sdpa's flash and
+memory-efficient kernels take: no boolean [2S, cp*2S] mask and so no fall back to
+the MATH kernel's [B, H, 2S, cp*2S] scores at the lengths CP exists for. Padding
+sits at the end, after every real token, so no real token attends to it.
 """
 from __future__ import annotations
 
@@ -56,12 +60,15 @@ def cp_forward(group: Optional[dist.ProcessGroup], positions: torch.Tensor):
         yield
         return
     everyone = _all_gather_cat(positions, group, dim=0)               # [cp * 2S] global positions
+    S = len(positions) // 2
+    starts = positions[[0, S]].tolist()                               # the two runs' first positions (one sync)
     _state.group = group
-    _state.mask = everyone[None, :] <= positions[:, None]             # [2S, cp * 2S] key visible to query
+    _state.order = torch.argsort(everyone)                            # gathered key rows in global order
+    _state.runs = [(slice(0, S), starts[0] + S), (slice(S, 2 * S), starts[1] + S)]   # (query rows, key end)
     try:
         yield
     finally:
-        _state.group = _state.mask = None
+        _state.group = _state.order = _state.runs = None
 
 
 def cp_attention_forward(module, query, key, value, attention_mask, dropout: float = 0.0,
@@ -70,10 +77,19 @@ def cp_attention_forward(module, query, key, value, attention_mask, dropout: flo
     group = getattr(_state, "group", None)
     if group is None:
         raise RuntimeError("CP attention called outside cp_forward()")
-    k_all = _all_gather_cat(key, group, dim=2)                          # [B, Hkv, cp*2S, D]
-    v_all = _all_gather_cat(value, group, dim=2)
-    out = F.scaled_dot_product_attention(query, k_all, v_all, attn_mask=_state.mask, dropout_p=0.0,
-                                         scale=scaling, enable_gqa=query.shape[1] != key.shape[1])
+    from torch.nn.attention.bias import causal_lower_right
+
+    order = _state.order
+    k_all = _all_gather_cat(key, group, dim=2).index_select(2, order)   # [B, Hkv, cp*2S, D], global order
+    v_all = _all_gather_cat(value, group, dim=2).index_select(2, order)
+    gqa = query.shape[1] != key.shape[1]
+    outs = []
+    for rows, end in _state.runs:                                       # each run: the keys before its end
+        q = query[:, :, rows]                                           # [B, H, S, D]
+        mask = causal_lower_right(q.shape[2], end)
+        outs.append(F.scaled_dot_product_attention(q, k_all[:, :, :end], v_all[:, :, :end], attn_mask=mask,
+                                                   dropout_p=0.0, scale=scaling, enable_gqa=gqa))
+    out = torch.cat(outs, dim=2)                                        # [B, H, 2S, D]
     return out.transpose(1, 2).contiguous(), None
 
 
