@@ -95,6 +95,9 @@ class Engine:
         from .capabilities import probe
 
         self._mm_fp32 = loaded.head.weight.dtype != torch.float32 and probe(str(self.device)).mm_out_dtype
+        from .packing import probe_flash
+
+        probe_flash(self.device, loaded.head.weight.dtype)     # on a GPU in bf16/fp16: flash or sdpa, decided now
         self._zbuf: torch.Tensor | None = None   # [chunk, V/tp] fp32, reused: fresh 64 MiB buffers cost page faults
         # Local columns from here on are padding (tp does not divide V): masked to -inf.
         pad_from = min(self.shard.size, max(0, self.shard.vocab_size - self.shard.start))

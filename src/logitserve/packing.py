@@ -223,6 +223,28 @@ def _flash_varlen(query, key, value, cu, max_len, scaling, window) -> torch.Tens
 flash_calls = 0           # packed attentions that ran on flash varlen (bench/gpu_check.sh asserts it ran)
 
 
+def probe_flash(device: torch.device, dtype: torch.dtype) -> bool:
+    """Once at start-up on a GPU: does a tiny varlen flash call run here (kernel, build, arguments)? If not, packed
+    attention takes the sdpa path from the first request on, with one warning, instead of finding out mid-batch."""
+    global _flash_ok
+    if device.type != "cuda" or dtype not in (torch.bfloat16, torch.float16) or not _flash_ok:
+        return False
+    try:
+        q = torch.zeros(1, 2, 4, 64, dtype=dtype, device=device)
+        kv = torch.zeros(1, 1, 4, 64, dtype=dtype, device=device)
+        cu = torch.tensor([0, 3, 4], dtype=torch.int32, device=device)
+        global flash_calls
+        _flash_varlen(q, kv, kv, cu, 3, 0.125, None)
+        torch.cuda.synchronize(device)
+        flash_calls = 0        # counts requests' packed attentions only
+        return True
+    except Exception as e:   # noqa: BLE001 (any failure: the sdpa path serves)
+        _flash_ok = False
+        log.warning("varlen flash attention unavailable (%s: %s); packed attention uses sdpa per length",
+                    type(e).__name__, e)
+        return False
+
+
 def probe_varlen() -> dict:
     """Which keyword arguments this torch's varlen_attn takes (they moved between versions)."""
     global _varlen_caps
