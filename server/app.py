@@ -13,7 +13,7 @@ from typing import Optional
 
 import grpc
 import numpy as np
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection, reflection_pb2 as reflection_v1alpha
 from grpc_reflection.v1alpha import reflection_pb2_grpc as reflection_grpc
@@ -26,10 +26,10 @@ from logitserve.layout import Layout, single_process
 from logitserve.loading import LoadedModel, content_hash, load_model
 from logitserve.parallel import ParallelConfig
 from logitserve.kserve import grpc_predict_v2_pb2_grpc as kpb_grpc
-from logitserve.v1 import logitserve_pb2_grpc as pb_grpc
 
 from . import codec
 from .scheduler import Scheduler, SchedulerConfig, engine_batch_runner
+from .startup import device_budget, startup_barrier
 from .kserve import KServeServicer
 from .gate import SERVICE_NAME, Gate, Listening, PortInUse, check_port_free, open_port  # noqa: F401 (re-exported)
 from .admission import ClientLimits
@@ -128,20 +128,6 @@ def load_rank(model: ModelConfig, ctx) -> tuple:
     startup_barrier(ctx)
     hook_cp(loaded, ctx)
     return loaded, shard
-
-
-STARTUP_TIMEOUT_S = 3600.0     # ranks waiting for rank 0's checkpoint hash at start-up
-
-
-def startup_barrier(ctx, timeout_s: float = STARTUP_TIMEOUT_S) -> None:
-    """Every rank here before any model collective: a gloo barrier on the control group with its own timeout."""
-    import datetime
-
-    import torch.distributed as dist
-
-    if ctx.control_group is None:
-        return
-    dist.monitored_barrier(ctx.control_group, timeout=datetime.timedelta(seconds=timeout_s), wait_all_ranks=True)
 
 
 @dataclass
@@ -256,24 +242,6 @@ async def create_server(loaded: LoadedModel, config: ServerConfig, layout: Optio
     gate.open()
     await running.set_serving(True)
     return running
-
-
-DEVICE_BUDGET_FRACTION = 0.9   # of the GPU memory free after loading, when --memory-budget is not given
-
-
-def device_budget(config: ServerConfig, device, free_bytes: Optional[int] = None) -> ServerConfig:
-    """On a GPU without --memory-budget: a budget of 90% of the device memory free after loading, so a request
-    too big for the device is refused up front instead of failing mid-batch. Unchanged on CPU or when given."""
-    if config.scheduler.memory_budget_bytes is not None or getattr(device, "type", "cpu") != "cuda":
-        return config
-    if free_bytes is None:
-        import torch
-
-        free_bytes = torch.cuda.mem_get_info(device)[0]
-    budget = int(free_bytes * DEVICE_BUDGET_FRACTION)
-    log.info("--memory-budget %.1f GiB: %.0f%% of the GPU memory free after loading", budget / 2**30,
-             100 * DEVICE_BUDGET_FRACTION)
-    return dataclasses.replace(config, scheduler=dataclasses.replace(config.scheduler, memory_budget_bytes=budget))
 
 
 async def _serve_http(loaded: LoadedModel, config: ServerConfig, pipeline: Pipeline, auth):

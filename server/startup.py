@@ -1,0 +1,39 @@
+"""Where a server's memory and ranks stand at start-up: the GPU memory budget, the ranks' start-up barrier."""
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Optional
+
+log = logging.getLogger("logitserve.server")
+
+DEVICE_BUDGET_FRACTION = 0.9   # of the GPU memory free after loading, when --memory-budget is not given
+
+
+def device_budget(config, device, free_bytes: Optional[int] = None):
+    """On a GPU without --memory-budget: a budget of 90% of the device memory free after loading, so a request
+    too big for the device is refused up front instead of failing mid-batch. Unchanged on CPU or when given."""
+    if config.scheduler.memory_budget_bytes is not None or getattr(device, "type", "cpu") != "cuda":
+        return config
+    if free_bytes is None:
+        import torch
+
+        free_bytes = torch.cuda.mem_get_info(device)[0]
+    budget = int(free_bytes * DEVICE_BUDGET_FRACTION)
+    log.info("--memory-budget %.1f GiB: %.0f%% of the GPU memory free after loading", budget / 2**30,
+             100 * DEVICE_BUDGET_FRACTION)
+    return dataclasses.replace(config, scheduler=dataclasses.replace(config.scheduler, memory_budget_bytes=budget))
+
+
+STARTUP_TIMEOUT_S = 3600.0     # ranks waiting for rank 0's checkpoint hash at start-up
+
+
+def startup_barrier(ctx, timeout_s: float = STARTUP_TIMEOUT_S) -> None:
+    """Every rank here before any model collective: a gloo barrier on the control group with its own timeout."""
+    import datetime
+
+    import torch.distributed as dist
+
+    if ctx.control_group is None:
+        return
+    dist.monitored_barrier(ctx.control_group, timeout=datetime.timedelta(seconds=timeout_s), wait_all_ranks=True)
