@@ -189,7 +189,8 @@ async def completions(ctx: Ctx, body: dict, client: str) -> dict:
         return Decoded(score_job(seqs, spec), sequences_field="prompt",
                        text_ids=seqs if texts is not None else None, text_field="prompt")
 
-    job, out = await ctx.run(new_id("cmpl"), client, decode)
+    rid = new_id("cmpl")                      # the answer's id is the access log's request id
+    job, out = await ctx.run(rid, client, decode)
     s = state
     choices, prompt_tokens, gen = [], 0, int(s["spec"].generate)
     for i, seq in enumerate(s["seqs"]):
@@ -224,7 +225,7 @@ async def completions(ctx: Ctx, body: dict, client: str) -> dict:
                         "stop_reason": None, "token_ids": token_ids if ret_ids else None,
                         "prompt_logprobs": prompt_lp, "prompt_token_ids": seq.tolist() if ret_ids else None})
     n = len(s["seqs"])
-    return {"id": new_id("cmpl"), "object": "text_completion", "created": int(time.time()), "model": ctx.model_id,
+    return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": ctx.model_id,
             "choices": choices, "service_tier": None, "system_fingerprint": f"logitserve-{ctx.version}",
             "usage": _usage(prompt_tokens, gen * n)}
 
@@ -280,7 +281,8 @@ async def generate(ctx: Ctx, body: dict, client: str) -> dict:
 
     s = state
     rid = body.get("request_id") if isinstance(body.get("request_id"), str) else None
-    job, out = await ctx.run(rid or new_id("generate-tokens"), client, decode)
+    rid = rid or new_id("generate-tokens")
+    job, out = await ctx.run(rid, client, decode)
     seq, L = s["seq"], len(s["seq"])
     rows = rows_of(job, s["spec"], out, 0, L)
     prompt_lp = None
@@ -295,7 +297,7 @@ async def generate(ctx: Ctx, body: dict, client: str) -> dict:
                    for y, e in list(step.items())[: s["sample_k"] + 1]]
             logprobs = {"content": [{"token_id": g, "logprob": top[0]["logprob"], "rank": 1,
                                      "top_logprobs": top[: max(s["sample_k"], 1)] if s["sample_k"] else []}]}
-    return {"request_id": rid or new_id("generate-tokens"), "model": ctx.model_id, "created": int(time.time()),
+    return {"request_id": rid, "model": ctx.model_id, "created": int(time.time()),
             "usage": _usage(L, len(token_ids)), "prompt_logprobs": prompt_lp,
             "prompt_token_id_logprobs": npy_b64(rows.candidates.astype(np.float32)) if rows.candidates is not None
             else None,
