@@ -30,7 +30,6 @@ from .http_common import Ctx, Failed, json_object
 from .status import to_http, to_status
 
 log = logging.getLogger("logitserve.http")
-HEALTH_PATHS = frozenset({"/health", "/health/", "/health_generate", "/ping"})
 
 
 def _json(content, status: int = 200, headers: Optional[dict] = None) -> Response:

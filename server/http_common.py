@@ -13,7 +13,7 @@ from typing import Any, Awaitable, Callable
 import numpy as np
 import orjson
 
-from logitserve.errors import InvalidRequest, NotFound
+from logitserve.errors import InvalidRequest, NotFound, OverLimit
 from logitserve.spec import Job, OutputKind
 
 from .params import ParamTable
@@ -91,9 +91,6 @@ class Collected:
             arr = per[piece.sequence] = np.zeros(piece.full_shape, dtype=t.dtype)
         arr[tuple(slice(o, o + d) for o, d in zip(piece.offset, t.shape))] = t
 
-    def get(self, kind: OutputKind, i: int) -> np.ndarray:
-        return self.arrays[kind][i]
-
 
 class TokenTexts:
     """Each id decoded alone as vLLM shows it (decode([id]), its SentencePiece leading space kept), cached."""
@@ -159,8 +156,6 @@ class Ctx:
 
     def check_json_size(self, entries: int, where: str) -> None:
         """Refuse (RESOURCE_EXHAUSTED) a JSON answer of `entries` logprob entries over --max-response-bytes."""
-        from logitserve.errors import OverLimit
-
         size = entries * JSON_ENTRY_BYTES
         if size > self.max_response_bytes:
             raise OverLimit(f"{where}: the JSON answer would be ~{size / 2**20:.0f} MiB ({entries} logprob entries), "

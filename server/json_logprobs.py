@@ -34,18 +34,16 @@ class VocabTables:
         return self._head, self._tail
 
 
-def _floats(values: np.ndarray) -> np.ndarray:
-    """Each value's JSON text, as an object array of bytes of the same shape (-inf clamped to -9999.0)."""
-    flat = np.maximum(values.astype(np.float64).reshape(-1), _FLOOR)
-    text = orjson.dumps(flat.tolist())[1:-1]
-    parts = np.array(text.split(b","), dtype=object) if flat.size else np.zeros(0, dtype=object)
-    return parts.reshape(values.shape)
-
-
-def _ints(values: np.ndarray) -> np.ndarray:
+def _texts(values: np.ndarray) -> np.ndarray:
+    """Each value's JSON text, as an object array of bytes of the same shape (printed by orjson in one call)."""
     text = orjson.dumps(values.reshape(-1).tolist())[1:-1]
     parts = np.array(text.split(b","), dtype=object) if values.size else np.zeros(0, dtype=object)
     return parts.reshape(values.shape)
+
+
+def _floats(values: np.ndarray) -> np.ndarray:
+    """fp32 values as their float64 JSON text, -inf clamped to -9999.0."""
+    return _texts(np.maximum(values.astype(np.float64), _FLOOR))
 
 
 def prompt_logprobs(targets: np.ndarray, logprobs: np.ndarray, ranks: np.ndarray, top_ids: np.ndarray,
@@ -55,7 +53,7 @@ def prompt_logprobs(targets: np.ndarray, logprobs: np.ndarray, ranks: np.ndarray
     head, tail = tables.tables()
     n, k = top_ids.shape if top_ids is not None else (len(targets), 0)
     # the scored token's entry: its id's pieces, its value and its rank
-    first = head[targets] + _floats(logprobs) + (b',"rank":' + _ints(ranks)) + tail[targets]      # [n]
+    first = head[targets] + _floats(logprobs) + (b',"rank":' + _texts(ranks)) + tail[targets]      # [n]
     rows = []
     if k:
         rank_text = np.array([b',"rank":%d' % (r + 1) for r in range(k)], dtype=object)

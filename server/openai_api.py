@@ -198,22 +198,21 @@ async def completions(ctx: Ctx, body: dict, client: str) -> dict:
         prompt_tokens += L
         steps: list = [None] * L
         prompt_lp = None
+        rows = rows_of(job, s["spec"], out, i, L)
         if s["prompt_k"] is not None:
-            rows = rows_of(job, s["spec"], out, i, L)
             prompt_lp = _prompt_json(seq, rows, s["prompt_k"], ctx, L)
             if s["echo"] and s["sample_k"] is not None:      # the OpenAI block reads the same step dicts
                 steps[rows.first:] = _prompt_dicts(seq, rows, s["prompt_k"], ctx, L)
         text, token_ids = "", []
         tokens, block_steps = [], []
+        head = ctx.texts.decode(seq) if s["echo"] or gen else ""      # the prompt as text, decoded once
         if s["echo"]:
-            text = s["texts"][i] if s["texts"] is not None else ctx.texts.decode(seq)
+            text = s["texts"][i] if s["texts"] is not None else head
             tokens, block_steps = ctx.texts.of(seq), list(steps)
         if gen:
-            rows = rows_of(job, s["spec"], out, i, L)
             g, step = _next_dict(rows, s["sample_k"] or 0, ctx)
             token_ids = [g]
             whole = ctx.texts.decode(np.append(seq, g))
-            head = ctx.texts.decode(seq)
             text += whole[len(head):] if whole.startswith(head) else ctx.texts.of([g])[0]
             tokens.append(ctx.texts.of([g])[0])
             block_steps.append(step)

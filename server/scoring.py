@@ -70,28 +70,20 @@ def rows_of(job: Job, spec: ScoreSpec, out: Collected, i: int, L: int) -> Rows:
 
     lp, rk = get(OutputKind.TOKEN_LOGPROBS), get(OutputKind.TOKEN_RANKS)
     tv, ti, cand = get(OutputKind.TOPK_VALUES), get(OutputKind.TOPK_IDS), get(OutputKind.CANDIDATE_LOGPROBS)
+    # Without a span the rows are positions 0..L-1: distribution row t-1 predicts token t, and the per-token
+    # outputs (lp[0] = 0) sit one row later. With one, row j predicts token P + j for both. Either way the
+    # distribution row after the n scored ones is "next" (the last position, or the placeholder's row).
+    first = 1 if job.prompt_lengths is None else job.prompt_lengths[i]
+    n, lo = L - first, 1 if job.prompt_lengths is None else 0
     nv = ni = None
-    if job.prompt_lengths is None:          # rows are positions 0..L-1: row t-1 predicts token t
-        first = 1
-        if spec.generate:
-            nv, ni = tv[L - 1], ti[L - 1]
-        lp = lp[1:] if lp is not None else None
-        rk = rk[1:] if rk is not None else None
-        if tv is not None:
-            tv, ti = tv[: L - 1], ti[: L - 1]
-        if cand is not None:
-            cand = cand[: L - 1]
-    else:                                   # row j predicts token P + j; with a placeholder, row L - P is "next"
-        first = job.prompt_lengths[i]
-        n = L - first
-        if spec.generate:
-            nv, ni = tv[n], ti[n]
-        lp = lp[:n] if lp is not None else None
-        rk = rk[:n] if rk is not None else None
-        if tv is not None:
-            tv, ti = tv[:n], ti[:n]
-        if cand is not None:
-            cand = cand[:n]
+    if spec.generate:
+        nv, ni = tv[n], ti[n]
+    lp = lp[lo : lo + n] if lp is not None else None
+    rk = rk[lo : lo + n] if rk is not None else None
+    if tv is not None:
+        tv, ti = tv[:n], ti[:n]
+    if cand is not None:
+        cand = cand[:n]
     if spec.k == 0:
         tv = ti = None
     elif tv is not None and tv.shape[1] > spec.k:
