@@ -59,6 +59,7 @@ def main() -> int:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--ks", type=int, nargs="+", default=[20, 100])
     p.add_argument("--no-vllm", action="store_true")
+    p.add_argument("--shape", default="demo", help="the demo shape: demo, or body (a body-heavy model)")
     args = p.parse_args()
 
     import orjson
@@ -67,7 +68,7 @@ def main() -> int:
     from logitserve.demo import demo_dir
     from vllm_peer import _post, post_raw
 
-    model_dir = demo_dir("causal")
+    model_dir = demo_dir("causal", args.shape)
     rng = np.random.default_rng(0)
     ids = [rng.integers(3, 32000, args.len).tolist() for _ in range(args.seqs)]
     tokens = args.seqs * args.len
@@ -82,7 +83,7 @@ def main() -> int:
     def body(k):
         return {"prompt": ids, "max_tokens": 1, "prompt_logprobs": k, "temperature": 1.0}
 
-    proc, address, base = _start()
+    proc, address, base = _start("--demo-shape", args.shape)
     encode = {}
     try:
         for k in args.ks:
@@ -115,7 +116,7 @@ def main() -> int:
             print(note, flush=True)
     result = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
               "machine": f"{platform.machine()}, {os.cpu_count()} cores",
-              "workload": f"demo model, {args.seqs} x {args.len} token ids, max_tokens 1, median of {args.repeats}",
+              "workload": f"{args.shape} model, {args.seqs} x {args.len} token ids, max_tokens 1, median of {args.repeats}",
               "json_encode_s": {n: statistics.median(v) for n, v in encode.items()}, "vllm_note": note, "rows": rows}
     out = write_result(result, "http")
     by = {(r["group"], r["case"].split("k=")[-1]): r["median_s"] for r in rows}
