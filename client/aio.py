@@ -141,6 +141,23 @@ class AsyncTeacherClient(OutputsMixin):
             raise LogitServeError.from_rpc(e) from None
         return Detokenized(tuple(r.tokens), tuple(r.texts), None if r.unk_token_id < 0 else int(r.unk_token_id))
 
+    async def head_weights(self, cache=True, timeout: Optional[float] = None):
+        """The teacher's lm_head as numpy arrays (a client.head.HeadWeights), verified against the server's hash;
+        `cache`: True (~/.cache/logitserve/heads, or $LOGITSERVE_CACHE), a folder, or False."""
+        from pathlib import Path
+
+        from .head import default_cache, fetch_head
+
+        folder = default_cache() if cache is True else (Path(cache) if cache else None)
+        return await fetch_head(self._stub, self._metadata, timeout, folder)
+
+    async def head(self, device=None, dtype=None, devices=None, cache=True, timeout: Optional[float] = None):
+        """A torch module (client.teacher_head.TeacherHead) whose call on hidden states [..., H] returns exactly the
+        server's logits [..., V] in fp32 (`temperature=` divides them); fetched once, then from the cache."""
+        from .teacher_head import TeacherHead
+
+        return TeacherHead(await self.head_weights(cache, timeout), device=device, dtype=dtype, devices=devices)
+
     def _request(self, seqs: Sequence, wanted: Wanted, pick, bf16_as_torch: bool = False):
         async def run():
             return pick(await self.submit(seqs, wanted, bf16_as_torch))

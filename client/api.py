@@ -47,7 +47,8 @@ class OutputsMixin:
                 vocab_range: Optional[tuple[int, int]] = None, logits_dtype: str = "fp32",
                 scores: bool = False, bf16_as_torch: bool = False, timeout_s: Optional[float] = None,
                 add_special_tokens: Optional[bool] = None, prompt_lengths: Optional[Sequence[int]] = None,
-                token_ranks: bool = False):
+                token_ranks: bool = False, hidden_states: bool = False, hidden_dtype: str = "fp32",
+                input_offsets: bool = False):
         """Several outputs of one forward pass, as a ForwardResult.
 
         `seqs` holds token-id sequences, or texts (str) for the server to tokenize with the model's
@@ -55,14 +56,24 @@ class OutputsMixin:
         `token_ranks` (with logprobs): each target's 1-based rank in the unfiltered distribution, [L] int32.
         `prompt_lengths` (P_i per sequence): token outputs cover only the predictions of tokens P_i..L_i-1,
         [L_i - P_i] rows whose row j predicts token P_i + j, lined up with a student's response tokens.
+        `hidden_states`: the lm_head's input over those rows ([L, H] or [L - P, H], fp32 or bf16 on the wire);
+        `teacher.head()` turns them into exactly the served logits. `input_offsets` (texts): [L, 2] UTF-8 byte
+        spans of the server's tokens, for `logitserve.client.align`.
         """
         w = Wanted(temperature=temperature, logprobs=logprobs, top_k=top_k, top_p=top_p, topk=topk,
                    topk_as_logprobs=topk_as_logprobs, topk_dtype=topk_dtype, topk_tail=topk_tail,
                    candidates=candidates,
                    full_logits=full_logits, seq_range=seq_range, vocab_range=vocab_range,
                    logits_dtype=logits_dtype, scores=scores, timeout_s=timeout_s,
-                   add_special_tokens=add_special_tokens, prompt_lengths=prompt_lengths, token_ranks=token_ranks)
+                   add_special_tokens=add_special_tokens, prompt_lengths=prompt_lengths, token_ranks=token_ranks,
+                   hidden_states=hidden_states, hidden_dtype=hidden_dtype, input_offsets=input_offsets)
         return self._request(seqs, w, lambda r: r, bf16_as_torch)
+
+    def hidden_states(self, seqs: Sequence, dtype: str = "fp32", prompt_lengths: Optional[Sequence[int]] = None):
+        """The teacher's final hidden states, one [L, H] array per sequence ([L - P, H] with prompt_lengths), row t
+        giving the logits of position t through `head()`: H values per row instead of V."""
+        w = Wanted(hidden_states=True, hidden_dtype=dtype, prompt_lengths=prompt_lengths)
+        return self._request(seqs, w, lambda r: r.hidden_states)
 
     def logprobs(self, seqs: Sequence, temperature: float = 1.0, top_k: Optional[int] = None,
                  top_p: Optional[float] = None, prompt_lengths: Optional[Sequence[int]] = None):

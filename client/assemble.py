@@ -41,6 +41,8 @@ class ForwardResult:
     full_logits: Optional[list] = None         # [s1 - s0, v1 - v0]
     scores: Optional[list] = None              # [num_labels] fp32
     input_ids: Optional[list] = None           # [L] int32: texts as the server tokenized them (text requests)
+    input_offsets: Optional[list] = None       # [L, 2] int32: each token's UTF-8 byte span in its text
+    hidden_states: Optional[list] = None       # [L, H] (or [L - P, H]): the lm_head's input; see TeacherHead
     applied: Optional[Applied] = None
     model: Optional[ModelIdentity] = None
     batching: Optional[str] = None             # "exact" | "packed": the mode the server's body ran in
@@ -49,7 +51,8 @@ class ForwardResult:
 
 _FIELD = {pb.TOKEN_LOGPROBS: "logprobs", pb.TOPK_VALUES: "topk_values", pb.TOPK_IDS: "topk_ids",
           pb.CANDIDATE_LOGPROBS: "candidate_logprobs", pb.FULL_LOGITS: "full_logits", pb.SCORES: "scores",
-          pb.INPUT_IDS: "input_ids", pb.TOPK_TAIL: "topk_tail", pb.TOKEN_RANKS: "token_ranks"}
+          pb.INPUT_IDS: "input_ids", pb.TOPK_TAIL: "topk_tail", pb.TOKEN_RANKS: "token_ranks",
+          pb.HIDDEN_STATES: "hidden_states", pb.INPUT_OFFSETS: "input_offsets"}
 
 
 def _lost(message: str) -> LogitServeError:
@@ -164,6 +167,10 @@ class Assembly:
 def wanted_fields(req: pb.ForwardRequest) -> tuple[str, ...]:
     """Names of the ForwardResult fields a request will fill."""
     names = ["input_ids"] if req.texts else []
+    if req.input_offsets:
+        names.append("input_offsets")
+    if req.HasField("hidden_states"):
+        names.append("hidden_states")
     if req.HasField("logprobs"):
         names.append("logprobs")
         if req.logprobs.ranks:

@@ -34,6 +34,9 @@ class Wanted:
     add_special_tokens: Optional[bool] = None   # texts only: the server's tokenizer default (True) when None
     prompt_lengths: Optional[Sequence[int]] = None   # P_i per sequence: token outputs only for tokens P_i..L_i-1
     token_ranks: bool = False              # with logprobs: each target's rank, [L] int32
+    hidden_states: bool = False            # the lm_head's input over the token rows, [L, H]
+    hidden_dtype: str = "fp32"             # fp32 | bf16 on the wire
+    input_offsets: bool = False            # texts only: each token's UTF-8 byte span, [L, 2] int32
 
 
 def int32_tensor(values, name: str) -> pb.Tensor:
@@ -89,6 +92,14 @@ def build_request(request_id: str, seqs: Sequence, w: Wanted) -> pb.ForwardReque
             f.vocab_start, f.vocab_end = (int(x) for x in w.vocab_range)
     if w.scores:
         req.scores.SetInParent()
+    if w.hidden_states:
+        if w.hidden_dtype not in ("fp32", "bf16"):
+            raise ValueError(f"hidden_dtype={w.hidden_dtype!r}: choose fp32 or bf16")
+        req.hidden_states.dtype = DTYPES[w.hidden_dtype]
+    if w.input_offsets:
+        if not req.texts:
+            raise ValueError("input_offsets=True needs texts (str) as seqs: offsets are into the text")
+        req.input_offsets = True
     if w.timeout_s is not None:
         req.timeout_s = float(w.timeout_s)
     if w.prompt_lengths is not None:

@@ -22,6 +22,8 @@ from grpc_reflection.v1alpha._async import ReflectionServicer
 import logitserve
 from logitserve.cost import cost_of
 from logitserve.engine import Batching, Engine, EngineConfig
+from logitserve.head_export import HeadSource
+from logitserve.spec import ModelKind
 from logitserve.layout import Layout, single_process
 from logitserve.loading import LoadedModel, content_hash, load_model
 from logitserve.parallel import ParallelConfig
@@ -221,7 +223,7 @@ async def create_server(loaded: LoadedModel, config: ServerConfig, layout: Optio
     listening = listening or await open_port(config)
     metrics = Metrics()
     scheduler = Scheduler(run_batch, config.scheduler, estimate=estimate, idle=idle, metrics=metrics,
-                          cost=lambda job: cost_of(job, loaded.vocab_size, loaded.num_labels or 1))
+                          cost=lambda job: cost_of(job, loaded.vocab_size, loaded.num_labels or 1, loaded.head.in_features))
     metrics.bind_scheduler(scheduler)
     if listening.auth is not None:
         listening.auth.on_failure = metrics.auth_failures.inc
@@ -229,7 +231,8 @@ async def create_server(loaded: LoadedModel, config: ServerConfig, layout: Optio
                                    config.engine.min_shared_prefix)
     gate = listening.gate
     pipeline = Pipeline(scheduler, loaded.limits, loaded.text, metrics, config.limits, config.clients)
-    add_native(LogitServeServicer(pipeline, info, config.max_message_bytes), gate)
+    head = HeadSource(loaded) if loaded.kind is ModelKind.CAUSAL_LM else None
+    add_native(LogitServeServicer(pipeline, info, config.max_message_bytes, head), gate)
     kpb_grpc.add_GRPCInferenceServiceServicer_to_server(
         KServeServicer(pipeline, loaded, logitserve.__version__, config.max_message_bytes), gate)
     _add_reflection(gate, (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,

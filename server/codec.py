@@ -12,7 +12,7 @@ from google.protobuf.message import DecodeError
 
 from logitserve.engine import Piece
 from logitserve.errors import InvalidRequest
-from logitserve.spec import Job, LogprobsOpts, OutputKind, SliceOpts, TopKOpts, WireDType
+from logitserve.spec import HiddenOpts, Job, LogprobsOpts, OutputKind, SliceOpts, TopKOpts, WireDType
 from logitserve.v1 import logitserve_pb2 as pb
 
 MAX_REQUEST_ID = 256   # bytes of UTF-8; checked before an id is logged or echoed
@@ -107,9 +107,15 @@ def decode_job(req: pb.ForwardRequest, texts_ids: Optional[tuple] = None) -> Job
         sl = SliceOpts(*(getattr(f, n) if f.HasField(n) else None
                          for n in ("seq_start", "seq_end", "vocab_start", "vocab_end")),
                        dtype=_wire_dtype("full_logits.dtype", f.dtype))
+    hidden = None
+    if req.HasField("hidden_states"):
+        hidden = HiddenOpts(_wire_dtype("hidden_states.dtype", req.hidden_states.dtype))
+    if req.input_offsets and not req.texts:
+        raise InvalidRequest("input_offsets", "byte offsets come with texts; this request sends token ids")
     return Job(sequences=seqs, temperature=req.temperature if req.HasField("temperature") else 1.0,
                logprobs=logprobs, topk=topk, candidates=cands, full_logits=sl, scores=req.HasField("scores"),
-               prompt_lengths=tuple(int(p) for p in req.prompt_lengths) if req.prompt_lengths else None)
+               prompt_lengths=tuple(int(p) for p in req.prompt_lengths) if req.prompt_lengths else None,
+               hidden_states=hidden)
 
 
 def outputs_of(job: Optional[Job]) -> tuple[str, ...]:
@@ -117,14 +123,18 @@ def outputs_of(job: Optional[Job]) -> tuple[str, ...]:
     if job is None:
         return ("none",)
     names = [n for n, on in (("logprobs", job.logprobs), ("topk", job.topk), ("candidates", job.candidates),
-                             ("full_logits", job.full_logits)) if on is not None]
+                             ("full_logits", job.full_logits), ("hidden_states", job.hidden_states)) if on is not None]
     return tuple(names + (["scores"] if job.scores else [])) or ("none",)
 
 
-def input_id_pieces(ids: tuple) -> list[Piece]:
-    """A text request's ids as INPUT_IDS pieces, one [L] int32 per text."""
-    return [Piece(OutputKind.INPUT_IDS, i, (len(x),), (0,), torch.from_numpy(np.ascontiguousarray(x)))
-            for i, x in enumerate(ids)]
+def input_id_pieces(ids: Optional[tuple], offsets: Optional[tuple] = None) -> list[Piece]:
+    """A text request's ids as INPUT_IDS pieces, one [L] int32 per text, and their byte offsets as INPUT_OFFSETS
+    ([L, 2] int32) when asked for; none for a request of token ids."""
+    pieces = [Piece(OutputKind.INPUT_IDS, i, (len(x),), (0,), torch.from_numpy(np.ascontiguousarray(x)))
+              for i, x in enumerate(ids or ())]
+    pieces += [Piece(OutputKind.INPUT_OFFSETS, i, tuple(x.shape), (0, 0), torch.from_numpy(np.ascontiguousarray(x)))
+               for i, x in enumerate(offsets or ())]
+    return pieces
 
 
 def _tensor_bytes(t: torch.Tensor) -> bytes:
@@ -207,3 +217,19 @@ def encode_model_info(loaded, layout, max_message_bytes: int, version: str, batc
         batching=encode_batching(batching), tp_plan_source=loaded.plan_source,
         tokenizer_hash=loaded.text.hash if loaded.text is not None else "",
         min_shared_prefix=min_shared_prefix if encode_batching(batching) == pb.PACKED else 0)
+
+
+def encode_head_info(meta, content_hash: str, head_hash: str) -> pb.HeadResponse:
+    """logitserve.head_export.HeadMeta as the Head RPC's first message."""
+    return pb.HeadResponse(info=pb.HeadInfo(
+        content_hash=content_hash, vocab_size=meta.vocab_size, hidden_size=meta.hidden_size,
+        dtype=_PB_OF_TORCH[meta.dtype], has_bias=meta.has_bias,
+        logits_dtype=pb.FLOAT32 if meta.logits_fp32 else _PB_OF_TORCH[meta.dtype],
+        logit_multiply=meta.multiply, logit_divide=meta.divide, softcap=meta.softcap, head_hash=head_hash,
+        tied=meta.tied))
+
+
+def encode_head_chunk(name: str, row: int, t: torch.Tensor) -> pb.HeadResponse:
+    """A band of head rows (or the bias) as raw bytes beside dtype and shape."""
+    return pb.HeadResponse(chunk=pb.HeadChunk(name=name, row=row, tensor=pb.Tensor(
+        dtype=_PB_OF_TORCH[t.dtype], shape=list(t.shape), data=_tensor_bytes(t))))

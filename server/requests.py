@@ -56,6 +56,7 @@ class Decoded:
     timeout_field: str = "timeout_s"     # the request field the deadline came from
     hold: int = 0                        # bytes the front-end holds for the answer beyond the scheduler's buffer
     text_ids: Optional[tuple] = None     # ids the server tokenized the request's texts into (sent as INPUT_IDS)
+    text_offsets: Optional[tuple] = None  # their UTF-8 byte spans, int32 [L, 2] each (sent as INPUT_OFFSETS)
     text_field: str = "texts"            # the request field those texts came from
     sequences_field: str = "sequences"   # the request field the token ids came from
 
@@ -189,8 +190,10 @@ class Pipeline:
                             f"smaller k or a smaller full-logits slice per request")
         return cost
 
-    async def tokenize(self, texts: list[str], add_special_tokens: bool, client: str, field: str = "texts") -> tuple:
-        """The texts' ids (int32 arrays); their size is checked and their tokenizing's memory reserved first."""
+    async def tokenize(self, texts: list[str], add_special_tokens: bool, client: str, field: str = "texts",
+                       offsets: bool = False) -> tuple:
+        """The texts' ids (int32 arrays), and with `offsets` (ids, byte offsets); their size is checked and
+        their tokenizing's memory reserved first."""
         if self.text is None:
             raise NotSupported(field, "this model directory ships no tokenizer; send token ids")
         size = sum(len(t.encode("utf-8", "surrogatepass")) for t in texts)
@@ -199,7 +202,7 @@ class Pipeline:
             raise OverLimit(f"{field}: {size} UTF-8 bytes in this request is over the server's --max-text-bytes "
                             f"{limit}; send fewer or shorter texts per request, or token ids")
         with self.scheduler.holding(client, size * TOKENIZE_BYTES_PER_TEXT_BYTE, f"tokenizing {size} bytes of text"):
-            return await asyncio.to_thread(self.text.encode, texts, add_special_tokens)   # Rust frees the GIL
+            return await asyncio.to_thread(self.text.encode, texts, add_special_tokens, offsets)   # Rust frees the GIL
 
     def count_shared(self, tokens: int) -> None:
         """Prompt tokens a request did not compute thanks to a shared prefix (ModelInfo's total, a counter)."""
@@ -242,7 +245,7 @@ class Pipeline:
                 shared = 0
                 try:
                     async with asyncio.timeout(t):
-                        for piece in codec.input_id_pieces(decoded.text_ids) if decoded.text_ids is not None else ():
+                        for piece in codec.input_id_pieces(decoded.text_ids, decoded.text_offsets):
                             await sink(piece)
                         async for piece in self.scheduler.stream(job, client, decoded.hold, cost):
                             if isinstance(piece, SharedTokens):

@@ -25,8 +25,8 @@ def _rows(job: Job, i: int) -> int:
     return max(0, b - a)
 
 
-def output_bytes(job: Job, vocab: int, num_labels: int = 1) -> int:
-    """Bytes of every output the job asks for, as they travel (before message framing)."""
+def output_bytes(job: Job, vocab: int, num_labels: int = 1, hidden: int = 0) -> int:
+    """Bytes of every output the job asks for, as they travel (before message framing); hidden: H."""
     total = 0
     for i, seq in enumerate(job.sequences):
         rows = _rows(job, i)
@@ -39,6 +39,8 @@ def output_bytes(job: Job, vocab: int, num_labels: int = 1) -> int:
         if job.full_logits is not None:
             s0, s1, v0, v1 = job.full_logits.bounds(len(seq), vocab)
             total += max(0, s1 - s0) * max(0, v1 - v0) * WIRE_BYTES[job.full_logits.dtype]
+        if job.hidden_states is not None:
+            total += rows * hidden * WIRE_BYTES[job.hidden_states.dtype]
         if job.scores:
             total += num_labels * 4
     return total
@@ -65,5 +67,5 @@ def work_tokens(job: Job, vocab: int) -> int:
     return job.num_tokens + int(extra)
 
 
-def cost_of(job: Job, vocab: int, num_labels: int = 1) -> Cost:
-    return Cost(input_bytes(job), output_bytes(job, vocab, num_labels), work_tokens(job, vocab))
+def cost_of(job: Job, vocab: int, num_labels: int = 1, hidden: int = 0) -> Cost:
+    return Cost(input_bytes(job), output_bytes(job, vocab, num_labels, hidden), work_tokens(job, vocab))

@@ -25,7 +25,7 @@ from .batch_run import BatchRun as _Run
 from .context_parallel import cp_forward, head_tail
 from .loading import LoadedModel
 from .memory import ModelDims
-from .outputs import HeadShard, Piece, Segment, block_pieces, empty_token_pieces
+from .outputs import HeadShard, Piece, Segment, block_pieces, empty_token_pieces, hidden_pieces
 from .packing import (VARLEN_ATTENTION, Pack, cpu_pack_tokens, packed_forward, packed_positions, plan_packs,
                       register_varlen_attention)
 from .parallel import ParallelContext, single_rank
@@ -91,9 +91,9 @@ class Engine:
         self.shard = shard or full_vocab(loaded.vocab_size)
         self.parallel = parallel or single_rank(str(loaded.head.weight.device))
         self.device = loaded.head.weight.device
-        from .capabilities import probe
+        from .head_export import accumulates_fp32
 
-        self._mm_fp32 = loaded.head.weight.dtype != torch.float32 and probe(str(self.device)).mm_out_dtype
+        self._mm_fp32 = loaded.head.weight.dtype != torch.float32 and accumulates_fp32(loaded.head.weight)
         from .packing import probe_flash
 
         probe_flash(self.device, loaded.head.weight.dtype)     # on a GPU in bf16/fp16: flash or sdpa, decided now
@@ -101,6 +101,7 @@ class Engine:
         # Local columns from here on are padding (tp does not divide V): masked to -inf.
         pad_from = min(self.shard.size, max(0, self.shard.vocab_size - self.shard.start))
         self.head_shard = HeadShard(self.shard, pad_from, emits_replicated=self.parallel.tp_rank == 0)
+        self._hidden_size = int(loaded.head.in_features)      # H: the width of HIDDEN_STATES
         # Packing needs each sequence whole on one rank: under CP the body runs per sequence.
         self.batching = Batching.EXACT if self.parallel.cp > 1 else config.batching
         self.pack_tokens = 0                     # tokens per packed body; 0 in exact mode
@@ -228,7 +229,7 @@ class Engine:
         lo, hi = job.head_rows(i, self.shard.vocab_size)          # only rows someone reads go through the head
         span = job.token_rows(i) if job.prompt_lengths is not None else None
         if _span_is_empty(job, i):     # a Step on every rank (they gather step by step), pieces from one
-            empty = empty_token_pieces(job, i, self.head_shard, cands) if p.cp_rank == 0 else []
+            empty = empty_token_pieces(job, i, self.head_shard, cands, self._hidden_size) if p.cp_rank == 0 else []
             yield Step((j,), tuple((j, piece) for piece in empty))
         for run in runs:
             for c0 in range(0, run.length, chunk):
@@ -240,9 +241,12 @@ class Engine:
                     continue
                 if self.batching is Batching.EXACT:   # whole chunks: rows bitwise those of a request without a span
                     a, b = s0, s1
-                rows = h[run.local + c0 + (a - s0) : run.local + c0 + (b - s0)]
-                z = self.logits(rows, job.temperature)                                          # [c, V/tp]
-                pieces = block_pieces(job, z, [Segment(i, ids, a, b, 0, span)], self.head_shard, cands)
+                rows = h[run.local + c0 + (a - s0) : run.local + c0 + (b - s0)]                  # [c, H]
+                segs = [Segment(i, ids, a, b, 0, span)]
+                pieces = hidden_pieces(job, rows, segs, self.head_shard)
+                if job.needs_logits:
+                    z = self.logits(rows, job.temperature)                                      # [c, V/tp]
+                    pieces += block_pieces(job, z, segs, self.head_shard, cands)
                 yield Step((j,), tuple((j, piece) for piece in pieces))
 
     @torch.inference_mode()
@@ -296,7 +300,8 @@ class Engine:
         if spanless:                   # a Step on every rank (they gather step by step), pieces from TP rank 0
             yield Step(tuple(dict.fromkeys(m.job for m in spanless)),
                        tuple((m.job, piece) for m in spanless
-                             for piece in empty_token_pieces(jobs[m.job], m.sequence, self.head_shard, cands[m.job])))
+                             for piece in empty_token_pieces(jobs[m.job], m.sequence, self.head_shard, cands[m.job],
+                                                             self._hidden_size)))
         # The head runs only on the rows someone reads (all of them unless prompt_lengths or a slice say less):
         # each member's rows [lo, hi), gathered into one [M, H] block when that is not all of h.
         V = self.shard.vocab_size
@@ -324,18 +329,24 @@ class Engine:
 
     @torch.inference_mode()
     def _chunk_step(self, run: "_Run", h: torch.Tensor, segs: dict[int, list[Segment]], cands: dict) -> Step:
-        """One head chunk of a pack: one matmul for all its rows, then each job's outputs on its own rows."""
-        try:
-            z = self.logits(h)                                                                  # [c, V/tp] at T = 1
-        except Exception as e:
-            run.reraise_unless_isolated(e)
-            z = None                                        # redo per job below
+        """One head chunk of a pack: one matmul for all its rows, then each job's outputs on its own rows
+        (hidden states straight from h; no matmul when no job of the chunk reads logits)."""
+        z = None
+        if any(run.jobs[j].needs_logits for j in segs):
+            try:
+                z = self.logits(h)                                                              # [c, V/tp] at T = 1
+            except Exception as e:
+                run.reraise_unless_isolated(e)      # z None: redone per job below
         pieces, errors = [], []
         for j, job_segs in segs.items():
             job = run.jobs[j]
             first, last = job_segs[0].row, job_segs[-1].rows.stop
             consecutive = all(a.rows.stop == b.row for a, b in zip(job_segs, job_segs[1:]))
             try:
+                mine = hidden_pieces(job, h, job_segs, self.head_shard)
+                if not job.needs_logits:
+                    pieces += [(j, p) for p in mine]
+                    continue
                 if not consecutive:        # shared prefixes can interleave jobs: this job's rows, gathered
                     index = torch.cat([torch.arange(g.rows.start, g.rows.stop) for g in job_segs]).to(h.device)
                     zj = self.logits(h.index_select(0, index), job.temperature) if z is None else \
@@ -352,7 +363,8 @@ class Engine:
                         zj.div_(job.temperature)
                 if consecutive:
                     rebased = [Segment(g.sequence, g.ids, g.s0, g.s1, g.row - first, g.span) for g in job_segs]
-                pieces += [(j, p) for p in block_pieces(job, zj, rebased, self.head_shard, cands[j])]
+                mine += block_pieces(job, zj, rebased, self.head_shard, cands[j])
+                pieces += [(j, p) for p in mine]       # all of a job's pieces of the chunk, or its error alone
             except Exception as e:
                 run.reraise_unless_isolated(e)
                 run.failed.add(j)
@@ -363,4 +375,4 @@ class Engine:
 def _span_is_empty(job: Job, i: int) -> bool:
     """prompt_lengths P = L: nothing to predict, yet every token output asked for must arrive (empty)."""
     return (job.prompt_lengths is not None and job.prompt_lengths[i] == len(job.sequences[i])
-            and any(x is not None for x in (job.logprobs, job.topk, job.candidates)))
+            and job.wants_row_outputs)

@@ -71,6 +71,7 @@ class LoadedModel:
     transform: HeadTransform = field(default_factory=HeadTransform)   # causal LMs' post-head elementwise map
     plan_source: str = ""     # where the TP plan came from: transformers, logitserve, both; "" at tp = 1
     text: Optional[object] = None   # tokenizing.TextEncoder where the directory ships a tokenizer
+    head_checkpoint: Optional[tuple[str, str]] = None   # (directory, key) a vocab-sharded head was read from
 
     @property
     def limits(self) -> ModelLimits:

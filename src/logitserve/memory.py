@@ -54,7 +54,7 @@ def estimate_peak_bytes(job: Job, dims: ModelDims, chunk: int, pending_pieces: i
     if dims.cp > 1:   # CP attention masks by position: scores [heads, local, longest] fp32
         body += dims.heads * local * math.ceil(longest / (2 * dims.cp)) * 2 * dims.cp * _FP32
     rows = min(chunk, local)
-    head = rows * dims.vocab_local * _FP32 * _HEAD_COPIES if job.wants_token_outputs else 0
+    head = rows * dims.vocab_local * _FP32 * _HEAD_COPIES if job.needs_logits else 0
     out_row = 0
     if job.topk is not None:
         head += rows * job.topk.k * (_FP32 + _I64) * 2 * dims.tp      # local and merged top-k
@@ -65,6 +65,8 @@ def estimate_peak_bytes(job: Job, dims: ModelDims, chunk: int, pending_pieces: i
         out_row += max(c.shape[1] for c in job.candidates) * (_FP32 + _I64)
     if job.full_logits is not None:
         out_row += dims.vocab_local * dims.tp * _FP32
+    if job.hidden_states is not None:
+        out_row += dims.hidden * _FP32
     piece = rows * out_row                     # one chunk's outputs; encoded messages of a stream hold at most 8
     outputs = piece * (pending_pieces + 1) + min(window_bytes, 8 * piece)
     return int(body + head + outputs)

@@ -157,12 +157,30 @@ def block_pieces(job: Job, z: torch.Tensor, segs: list[Segment], hs: HeadShard,
     return [p for p in pieces if hs.emits_replicated or p.output is OutputKind.FULL_LOGITS]
 
 
-def empty_token_pieces(job: Job, i: int, hs: HeadShard, cands: Optional[dict[int, torch.Tensor]] = None) -> list[Piece]:
+@torch.inference_mode()
+def hidden_pieces(job: Job, h: torch.Tensor, segs: list[Segment], hs: HeadShard) -> list[Piece]:
+    """HIDDEN_STATES over each segment's token rows (alike on every TP rank: TP rank 0 emits). h: [n, H] block rows."""
+    if job.hidden_states is None or not hs.emits_replicated:
+        return []
+    pieces = []
+    for g in segs:
+        rows, o, n_out = g.token_cut()
+        if rows.stop > rows.start:
+            pieces.append(Piece(OutputKind.HIDDEN_STATES, g.sequence, (n_out, h.shape[-1]), (o, 0),
+                                _wire(h[rows], job.hidden_states.dtype)))
+    return pieces
+
+
+def empty_token_pieces(job: Job, i: int, hs: HeadShard, cands: Optional[dict[int, torch.Tensor]] = None,
+                       hidden: int = 0) -> list[Piece]:
     """Zero-row token outputs of sequence i (prompt_lengths P = L: nothing to predict), so every output asked
-    for still arrives."""
+    for still arrives. hidden: H, the width of an empty HIDDEN_STATES."""
     if not hs.emits_replicated:
         return []
     out: list[Piece] = []
+    if job.hidden_states is not None:
+        out.append(Piece(OutputKind.HIDDEN_STATES, i, (0, hidden), (0, 0),
+                         torch.zeros(0, hidden, dtype=TORCH_WIRE[job.hidden_states.dtype])))
     if job.logprobs is not None:
         out.append(Piece(OutputKind.TOKEN_LOGPROBS, i, (0,), (0,), torch.zeros(0)))
         if job.logprobs.ranks:

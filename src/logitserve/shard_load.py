@@ -123,7 +123,7 @@ def load_sharded(directory, dtype: str, device: torch.device, rank: int, tp: int
         embedding.weight = nn.Parameter(weight, requires_grad=False)
         install_vocab_embedding(embedding, start, real, group)
 
-    vocab = shard_head = None
+    vocab = shard_head = head_key = None
     vshard = VocabShard(0, 0, 0, None)
     if kind is ModelKind.CAUSAL_LM:
         names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
@@ -131,7 +131,8 @@ def load_sharded(directory, dtype: str, device: torch.device, rank: int, tp: int
         head_name = f"{_head_attr(model)}.weight"
         key_name = head_name if head_name in sources and not tied else names[id(emb)]
         vocab = int(find_head(model, kind).out_features)
-        shard_head, vshard = _vocab_head(ckpt, sources[key_name].keys[0][2], vocab, emb.shape[1], DTYPES[dtype],
+        head_key = sources[key_name].keys[0][2]
+        shard_head, vshard = _vocab_head(ckpt, head_key, vocab, emb.shape[1], DTYPES[dtype],
                                          device, rank, tp, group if tp > 1 else None)
         setattr(model, _head_attr(model), shard_head)
     model.to(device)                      # the buffers built on the host (rotary tables)
@@ -141,7 +142,8 @@ def load_sharded(directory, dtype: str, device: torch.device, rank: int, tp: int
         vshard = VocabShard(0, loaded.vocab_size, loaded.vocab_size, None)
     log.info("rank %d loaded its shards (tp=%d, plan from %s) in %.1f s; peak RSS %.0f MiB",
              rank, tp, plan.source or "-", time.perf_counter() - t0, peak_rss_mib())
-    return dataclasses.replace(loaded, plan_source=plan.source), vshard
+    return dataclasses.replace(loaded, plan_source=plan.source,
+                               head_checkpoint=(str(path), head_key) if head_key else None), vshard
 
 
 def _head_attr(model: nn.Module) -> str:

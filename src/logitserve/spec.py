@@ -28,6 +28,8 @@ class OutputKind(enum.IntEnum):
     INPUT_IDS = 7           # [L] int32: a text's ids as the server tokenized it
     TOPK_TAIL = 8           # [L] fp32: log of the probability outside the top-k ids
     TOKEN_RANKS = 9         # [L] int32: 1 + #ids with z/T above the target's (row 0: 0), as TOKEN_LOGPROBS
+    HIDDEN_STATES = 10      # [L, H]: the lm_head's input, over the token outputs' rows
+    INPUT_OFFSETS = 11      # [L, 2] int32: a text's tokens' UTF-8 byte spans
 
 
 class ModelKind(enum.Enum):
@@ -72,6 +74,13 @@ class SliceOpts:
 
 
 @dataclass(frozen=True)
+class HiddenOpts:
+    """The final hidden states (the lm_head's input) over the token outputs' rows."""
+
+    dtype: WireDType = WireDType.FP32
+
+
+@dataclass(frozen=True)
 class Job:
     """One request: ragged sequences and the outputs wanted from one forward pass."""
 
@@ -83,6 +92,7 @@ class Job:
     full_logits: Optional[SliceOpts] = None
     scores: bool = False
     prompt_lengths: Optional[tuple[int, ...]] = None   # P_i: token outputs only for tokens P_i..L_i-1
+    hidden_states: Optional[HiddenOpts] = None
 
     @property
     def num_tokens(self) -> int:
@@ -90,7 +100,17 @@ class Job:
 
     @property
     def wants_token_outputs(self) -> bool:
+        return self.needs_logits or self.hidden_states is not None
+
+    @property
+    def needs_logits(self) -> bool:
+        """Whether any output reads the head's logits (hidden states alone never run the head)."""
         return any(x is not None for x in (self.logprobs, self.topk, self.candidates, self.full_logits))
+
+    @property
+    def wants_row_outputs(self) -> bool:
+        """Whether any output covers the token rows (token_rows): logprobs, top-k, candidates, hidden states."""
+        return any(x is not None for x in (self.logprobs, self.topk, self.candidates, self.hidden_states))
 
     def token_rows(self, i: int) -> tuple[int, int]:
         """Logits rows [a, b) of sequence i that token outputs (logprobs, top-k, tail, candidates) come from:
@@ -106,7 +126,7 @@ class Job:
         full-logits slice when one is asked (one contiguous range; empty when nothing needs the head)."""
         L = len(self.sequences[i])
         ranges = []
-        if any(x is not None for x in (self.logprobs, self.topk, self.candidates)):
+        if self.wants_row_outputs:
             ranges.append(self.token_rows(i))
         if self.full_logits is not None:
             s0, s1, _, _ = self.full_logits.bounds(L, vocab)

@@ -10,7 +10,7 @@ import numpy as np
 
 from .tokens import tokenizer_hash
 
-from .errors import InvalidRequest
+from .errors import InvalidRequest, NotSupported
 
 log = logging.getLogger("logitserve.tokenizing")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model")
@@ -21,14 +21,30 @@ class TextEncoder:
     tokenizer: object          # a transformers tokenizer
     hash: str                  # logitserve.client.tokenizer_hash of it
 
-    def encode(self, texts: Sequence[str], add_special_tokens: bool = True) -> tuple[np.ndarray, ...]:
-        """int32 [L_i] ids per text; a text that gives no ids is refused naming it."""
-        ids = self.tokenizer(list(texts), add_special_tokens=add_special_tokens)["input_ids"]
-        out = tuple(np.asarray(x, dtype=np.int32) for x in ids)
+    def encode(self, texts: Sequence[str], add_special_tokens: bool = True, offsets: bool = False):
+        """int32 [L_i] ids per text; a text that gives no ids is refused naming it. With `offsets`:
+        (ids, offsets), offsets int32 [L_i, 2] each token's UTF-8 byte span [start, end) in its text."""
+        if offsets and not getattr(self.tokenizer, "is_fast", False):
+            raise NotSupported("input_offsets", f"{type(self.tokenizer).__name__} is not a fast tokenizer: it has "
+                                                f"no offsets")
+        enc = self.tokenizer(list(texts), add_special_tokens=add_special_tokens, return_offsets_mapping=offsets)
+        out = tuple(np.asarray(x, dtype=np.int32) for x in enc["input_ids"])
         for i, x in enumerate(out):
             if x.size == 0:
                 raise InvalidRequest(f"texts[{i}]", "tokenizes to no ids; a text must give at least one token")
-        return out
+        if not offsets:
+            return out
+        spans = tuple(byte_offsets(t, np.asarray(o, dtype=np.int64).reshape(-1, 2))
+                      for t, o in zip(texts, enc["offset_mapping"]))
+        return out, spans
+
+
+def byte_offsets(text: str, chars: np.ndarray) -> np.ndarray:
+    """Character offsets [L, 2] of `text` as UTF-8 byte offsets, int32 [L, 2]."""
+    points = np.frombuffer(text.encode("utf-32-le", "surrogatepass"), dtype="<u4")                  # [n]
+    width = 1 + (points >= 0x80) + (points >= 0x800) + (points >= 0x10000)                          # [n]
+    at = np.concatenate([[0], np.cumsum(width)])                                                    # [n + 1]
+    return at[np.clip(chars, 0, len(points))].astype(np.int32)
 
 
 MAX_DETOKENIZE = 1 << 16

@@ -6,7 +6,7 @@ import math
 import numpy as np
 
 from .errors import InvalidRequest
-from .spec import Job, ModelKind, ModelLimits
+from .spec import Job, ModelKind, ModelLimits, WireDType
 
 
 def _check_ids(field: str, ids: np.ndarray, vocab: int) -> None:
@@ -46,7 +46,8 @@ def validate_job(job: Job, limits: ModelLimits) -> None:
 
     wants_tokens = job.wants_token_outputs
     if not wants_tokens and not job.scores:
-        raise InvalidRequest("outputs", "no output requested: set logprobs, topk, candidates, full_logits or scores")
+        raise InvalidRequest("outputs", "no output requested: set logprobs, topk, candidates, full_logits, "
+                                        "hidden_states or scores")
     if limits.kind is ModelKind.REWARD and wants_tokens:
         raise InvalidRequest("outputs", "this server holds a reward model; it answers scores only")
     if limits.kind is ModelKind.CAUSAL_LM and job.scores:
@@ -60,6 +61,9 @@ def validate_job(job: Job, limits: ModelLimits) -> None:
             raise InvalidRequest("logprobs.top_p", f"{p} is outside (0, 1]")
     if job.topk is not None:
         _check_int_range("topk.k", job.topk.k, 1, V)
+    if job.hidden_states is not None and job.hidden_states.dtype not in (WireDType.FP32, WireDType.BF16):
+        raise InvalidRequest("hidden_states.dtype", f"{job.hidden_states.dtype.name}: hidden states travel as "
+                                                    f"FLOAT32 or BFLOAT16")
     if job.prompt_lengths is not None:
         if len(job.prompt_lengths) != len(job.sequences):
             raise InvalidRequest("prompt_lengths", f"{len(job.prompt_lengths)} given; one per sequence "
