@@ -1,4 +1,4 @@
-"""Distillation losses between a student's logits and a teacher's served top-k or candidate log-probs (torch only here).
+"""Distillation losses between a student's logits and a teacher's served top-k, candidates or full distribution (torch).
 
 Semantics follow NeMo-RL's DistillationLossFn: the student's log-probs are gathered at
 the teacher's ids; `kl` is forward KL(teacher || student), reverse KL(student || teacher)
@@ -15,6 +15,10 @@ or mixed (`w * forward + (1 - w) * reverse`); `tail` says what happens outside t
 Teacher values must be full-vocabulary log-probs (`topk_as_logprobs=True`, or candidate
 log-probs, i.e. the student's own top-k scored by the teacher) for "zero" and "bucket";
 "renormalize" also takes plain logits. Rows align as served: row t describes token t+1.
+
+`full_kd_loss` compares whole distributions: forward KL, reverse KL or TRL GKD's
+generalized JSD, on teacher logits rebuilt from served hidden states (`TeacherHead`)
+chunk by chunk, or on served full logits.
 """
 from __future__ import annotations
 
@@ -23,6 +27,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 import torch
+import torch.utils.checkpoint
 
 KL_KINDS = ("forward", "reverse", "mixed")
 TAILS = ("renormalize", "zero", "bucket")
@@ -117,3 +122,68 @@ def _reduce(per_token: torch.Tensor, mask: Optional[torch.Tensor], reduction: st
     counted = m.sum(-1)                                                                 # [B] tokens per sequence
     per_seq = (per_token * m).sum(-1) / counted.clamp(min=1)
     return per_seq[counted > 0].mean() if bool((counted > 0).any()) else per_seq.sum() * 0
+
+
+FULL_KINDS = ("forward", "reverse", "jsd")
+
+
+def divergence(s: torch.Tensor, t: torch.Tensor, kind: str, beta: float = 0.5) -> torch.Tensor:
+    """Per-row divergence of log-probs s (student) and t (teacher), [n, V] -> [n]: forward KL(t || s), reverse
+    KL(s || t), or TRL GKD's generalized JSD: beta KL(t || m) + (1 - beta) KL(s || m), m = beta t + (1 - beta) s
+    (beta 0: forward KL, 1: reverse KL, as TRL's generalized_jsd_loss)."""
+    if kind == "forward" or (kind == "jsd" and beta == 0.0):
+        return _plogp_minus(t, s).sum(-1)
+    if kind == "reverse" or (kind == "jsd" and beta == 1.0):
+        return _plogp_minus(s, t).sum(-1)
+    b = torch.tensor(beta, dtype=s.dtype, device=s.device)
+    m = torch.logsumexp(torch.stack([s + torch.log1p(-b), t + torch.log(b)]), dim=0)     # [n, V]
+    return beta * _plogp_minus(t, m).sum(-1) + (1.0 - beta) * _plogp_minus(s, m).sum(-1)
+
+
+def full_kd_loss(student_logits: torch.Tensor, teacher: torch.Tensor, *, head=None, kind: str = "forward",
+                 beta: float = 0.5, temperature: float = 1.0, mask: Optional[torch.Tensor] = None,
+                 reduction: str = "token", chunk_rows: int = 256, vocab_size: Optional[int] = None) -> torch.Tensor:
+    """Full-vocabulary KD, chunk by chunk over positions.
+
+    student_logits [B, L, V]; teacher: the served hidden states [B, L, H] with `head` (a TeacherHead: the
+    teacher's logits are rebuilt per chunk, and recomputed in the backward pass rather than kept, so
+    [B, L, V] of the teacher never exists), or teacher logits [B, L, V] without. Both distributions at
+    `temperature`; `kind`: "forward", "reverse" or "jsd" (with `beta`, see `divergence`); `mask` [B, L]
+    (true = counted; rows it drops are never computed); reductions as `kd_loss`. `vocab_size`: compare only
+    the first columns (vocabularies padded to different sizes). Computed in at least fp32.
+    """
+    if kind not in FULL_KINDS or reduction not in REDUCTIONS:
+        raise ValueError(f"kind={kind!r} reduction={reduction!r}: choose from {FULL_KINDS}, {REDUCTIONS}")
+    if not 0.0 <= beta <= 1.0 or not temperature > 0:
+        raise ValueError(f"beta={beta} must lie in [0, 1] and temperature={temperature} be > 0")
+    B, L, Vs = student_logits.shape
+    Vt = head.vocab_size if head is not None else teacher.shape[-1]
+    V = vocab_size or Vs
+    if V > min(Vs, Vt) or (vocab_size is None and Vs != Vt):
+        raise ValueError(f"student vocabulary {Vs} and teacher's {Vt} differ: pass vocab_size (<= both) to compare "
+                         f"their first columns")
+    dtype = torch.promote_types(student_logits.dtype, torch.float32)
+    flat_s = student_logits.reshape(B * L, Vs)                                                # [N, Vs]
+    flat_t = teacher.reshape(B * L, teacher.shape[-1])                                        # [N, H or V]
+    keep = torch.ones(B * L, dtype=torch.bool, device=flat_s.device) if mask is None else \
+        mask.reshape(-1).to(device=flat_s.device, dtype=torch.bool)
+    rows = keep.nonzero()[:, 0]                                                               # [n]
+
+    def part(s_rows: torch.Tensor, t_rows: torch.Tensor) -> torch.Tensor:                    # [c, Vs], [c, .] -> [c]
+        z = head(t_rows, temperature=temperature) if head is not None else t_rows.to(dtype) / temperature
+        t = torch.log_softmax(z[:, :V].to(device=s_rows.device, dtype=dtype), -1)
+        s = torch.log_softmax(s_rows[:, :V].to(dtype) / temperature, -1)
+        return divergence(s, t, kind, beta)
+
+    values = []
+    for a in range(0, len(rows), chunk_rows):
+        idx = rows[a : a + chunk_rows]
+        s_rows, t_rows = flat_s.index_select(0, idx), flat_t.index_select(0, idx.to(flat_t.device))
+        if s_rows.requires_grad:     # keep only the inputs: the teacher's [c, V] is rebuilt for the backward
+            values.append(torch.utils.checkpoint.checkpoint(part, s_rows, t_rows, use_reentrant=False))
+        else:
+            values.append(part(s_rows, t_rows))
+    per_token = torch.zeros(B * L, dtype=dtype, device=flat_s.device)
+    if values:
+        per_token = per_token.index_copy(0, rows, torch.cat(values))
+    return _reduce(per_token.reshape(B, L), mask, reduction)

@@ -8,7 +8,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from .tokens import tokenizer_hash
+from .tokens import byte_offsets, tokenizer_hash
 
 from .errors import InvalidRequest, NotSupported
 
@@ -37,14 +37,6 @@ class TextEncoder:
         spans = tuple(byte_offsets(t, np.asarray(o, dtype=np.int64).reshape(-1, 2))
                       for t, o in zip(texts, enc["offset_mapping"]))
         return out, spans
-
-
-def byte_offsets(text: str, chars: np.ndarray) -> np.ndarray:
-    """Character offsets [L, 2] of `text` as UTF-8 byte offsets, int32 [L, 2]."""
-    points = np.frombuffer(text.encode("utf-32-le", "surrogatepass"), dtype="<u4")                  # [n]
-    width = 1 + (points >= 0x80) + (points >= 0x800) + (points >= 0x10000)                          # [n]
-    at = np.concatenate([[0], np.cumsum(width)])                                                    # [n + 1]
-    return at[np.clip(chars, 0, len(points))].astype(np.int32)
 
 
 MAX_DETOKENIZE = 1 << 16
