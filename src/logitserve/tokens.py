@@ -29,3 +29,23 @@ def byte_offsets(text: str, chars: np.ndarray) -> np.ndarray:
     width = 1 + (points >= 0x80) + (points >= 0x800) + (points >= 0x10000)                          # [n]
     at = np.concatenate([[0], np.cumsum(width)])                                                    # [n + 1]
     return at[np.clip(chars, 0, len(points))].astype(np.int32)
+
+
+def split_shared_spans(spans: np.ndarray, piece_bytes: list[int]) -> np.ndarray:
+    """Byte-level BPE splits one multi-byte character over several tokens, and the tokenizer gives each of them
+    the character's whole span. Where a run of tokens shares one span [s, e) and their pieces' byte lengths add
+    up to e - s, each gets its own consecutive part. spans: [L, 2] int32 (a fixed copy)."""
+    out = spans.copy()
+    i, L = 0, len(spans)
+    while i < L:
+        j = i + 1
+        while j < L and spans[j, 0] == spans[i, 0] and spans[j, 1] == spans[i, 1]:
+            j += 1
+        s, e = int(spans[i, 0]), int(spans[i, 1])
+        if j - i > 1 and e > s and sum(piece_bytes[i:j]) == e - s:
+            at = s
+            for k in range(i, j):
+                out[k] = (at, at + piece_bytes[k])
+                at += piece_bytes[k]
+        i = j
+    return out
