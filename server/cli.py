@@ -16,8 +16,9 @@ def _serve_parser(sub, formatter) -> None:
     p.add_argument("--port", type=int, default=50051, help="gRPC port (native, KServe, health); 0: a free one")
     p.add_argument("--model", default=None, help="local Hugging Face model directory (config.json + safetensors)")
     p.add_argument("--demo", choices=["causal", "reward"], default="causal", help="embedded demo when no --model")
-    p.add_argument("--demo-shape", choices=["demo", "body", "1b"], default="demo",
-                   help="the demo's shape: demo (lm_head-heavy), body (8 layers, hidden 768), 1b (for GPUs)")
+    p.add_argument("--demo-shape", choices=["demo", "body", "1b", "wide"], default="demo",
+                   help="the demo's shape: demo (lm_head-heavy), body (8 layers, hidden 768), 1b (for GPUs), "
+                        "wide (vocab 151936, hidden 1024)")
     p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32", help="weights and activations")
     p.add_argument("--logprob-chunk-size", type=int, default=512, help="logits rows materialized at a time")
     p.add_argument("--max-seq-len", type=int, default=None, help="default: the model's max_position_embeddings")
@@ -101,7 +102,7 @@ def _export_parser(sub, formatter) -> None:
                        formatter_class=formatter)
     e.add_argument("directory")
     e.add_argument("--kind", choices=["causal", "reward"], default="causal")
-    e.add_argument("--shape", choices=["demo", "body", "1b"], default="demo")
+    e.add_argument("--shape", choices=["demo", "body", "1b", "wide"], default="demo")
 
 
 # torch first and pinned: with no torch present, pip would pick a multi-GB CUDA build for the extras

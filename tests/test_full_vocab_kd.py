@@ -82,3 +82,18 @@ def test_full_kd_on_served_logits_and_bad_arguments(served, llama_server):
         full_kd_loss(student, h, head=head, kind="tvd")
     with pytest.raises(ValueError):
         full_kd_loss(student, h, head=head, kind="jsd", beta=1.5)
+
+
+def test_kl_from_logits_with_masked_columns():
+    """-inf logits (a masked vocabulary) carry no mass: their terms are 0, not nan; KL to a -inf the other side
+    gives mass to is inf."""
+    from logitserve.client.distill import kl_from_logits
+
+    torch.manual_seed(1)
+    za, zb = torch.randn(5, 40, dtype=torch.float64), torch.randn(5, 40, dtype=torch.float64)
+    za[:, :7] = float("-inf")
+    pa, la, lb = za.softmax(-1), za.log_softmax(-1), zb.log_softmax(-1)
+    ref = torch.where(pa > 0, pa * (la - lb), torch.zeros_like(pa)).sum(-1)
+    assert torch.allclose(kl_from_logits(za, zb), ref, rtol=1e-12, atol=1e-14)
+    zb[0, 20] = float("-inf")
+    assert torch.isinf(kl_from_logits(za, zb)[0]) and torch.isfinite(kl_from_logits(za, zb)[1:]).all()

@@ -2,7 +2,8 @@
 
 Shapes: `demo` (the default: 2 layers, hidden 256, its cost mostly the lm_head), `body`
 (8 layers, hidden 768: a body-heavy shape for benchmarks) and `1b` (16 layers, hidden
-2048, ~1.1B parameters, saved in bf16: for GPU checks). All are built locally, no download.
+2048, ~1.1B parameters, saved in bf16: for GPU checks) and `wide` (2 layers, hidden 1024, Qwen's
+151936-token vocabulary: full-vocab benchmarks). All are built locally, no download.
 """
 from __future__ import annotations
 
@@ -19,7 +20,10 @@ DEMO_SHAPES = {
     "demo": (256, 688, 2, 8, 4, "float32"),
     "body": (768, 2048, 8, 12, 4, "float32"),
     "1b": (2048, 5632, 16, 32, 8, "bfloat16"),
+    "wide": (1024, 2816, 2, 16, 8, "float32"),
 }
+# shape -> vocabulary size when not 32000: `wide` has Qwen's 151936 (full-vocab benchmarks: bench/full_vocab.py)
+DEMO_VOCAB = {"wide": 151936}
 
 
 def demo_config(kind: str, shape: str = "demo"):
@@ -27,7 +31,7 @@ def demo_config(kind: str, shape: str = "demo"):
 
     hidden, inter, layers, heads, kv, _ = DEMO_SHAPES[shape]
     return LlamaConfig(
-        vocab_size=32000, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
+        vocab_size=DEMO_VOCAB.get(shape, 32000), hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
         num_attention_heads=heads, num_key_value_heads=kv, head_dim=hidden // heads, max_position_embeddings=8192,
         rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=False,
         # Wider than the usual 0.02 so the demo's logits spread like a trained model's.
@@ -67,7 +71,7 @@ def export_demo(directory: str | os.PathLike, kind: str = "causal", shape: str =
         torch.manual_seed(DEMO_SEED)
         model = cls(demo_config(kind, shape)).float().eval().to(getattr(torch, DEMO_SHAPES[shape][-1]))
     model.save_pretrained(out, safe_serialization=True)
-    demo_tokenizer().save_pretrained(out)
+    demo_tokenizer(DEMO_VOCAB.get(shape, 32000)).save_pretrained(out)
     return out
 
 
