@@ -12,7 +12,6 @@ from pathlib import Path
 from typing import Optional
 
 import grpc
-import numpy as np
 from grpc_health.v1 import health_pb2
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection, reflection_pb2 as reflection_v1alpha
@@ -31,14 +30,14 @@ from logitserve.kserve import grpc_predict_v2_pb2_grpc as kpb_grpc
 
 from . import codec
 from .scheduler import Scheduler, SchedulerConfig, engine_batch_runner
-from .startup import device_budget, startup_barrier
+from .startup import device_budget, memory_estimator, startup_barrier  # noqa: F401 (memory_estimator re-exported)
 from .kserve import KServeServicer
 from .gate import SERVICE_NAME, Gate, Listening, PortInUse, check_port_free, open_port  # noqa: F401 (re-exported)
 from .admission import ClientLimits
 from .metrics import Metrics
 from .security import SecurityConfig
 from .requests import Pipeline, StreamLimits
-from .servicer import STREAM_WINDOW, LogitServeServicer
+from .servicer import LogitServeServicer
 from .servicer import add_to as add_native
 
 log = logging.getLogger("logitserve.server")
@@ -174,28 +173,6 @@ class Running:
         await asyncio.to_thread(self.scheduler.join, 10.0)
         if self.metrics_http is not None:
             self.metrics_http.shutdown()
-
-
-def memory_estimator(loaded: LoadedModel, config: ServerConfig, vocab_local: int, tp: int = 1, cp: int = 1,
-                     pack_tokens: int = 0):
-    """job -> estimated peak bytes; refuses to start when no request could ever fit the --memory-budget."""
-    from logitserve.memory import ModelDims, estimate_peak_bytes
-    from logitserve.spec import Job
-
-    dims = ModelDims.of(loaded.model.config, vocab_local, loaded.head.weight.element_size(), tp, cp)
-    window = STREAM_WINDOW * config.max_message_bytes   # encoded messages a stream may hold
-
-    def estimate(job: Job) -> int:   # pack_tokens: a packed body's tokens (Engine.pack_tokens), 0 in exact mode
-        return estimate_peak_bytes(job, dims, config.engine.chunk_size, 0, window,   # buffers: Scheduler._hold
-                                   pack_tokens, config.engine.min_shared_prefix > 0)
-
-    budget = config.scheduler.memory_budget_bytes
-    smallest = estimate(Job(sequences=(np.zeros(1, np.int32),), scores=True))
-    if budget is not None and pack_tokens and smallest > budget:
-        raise ValueError(f"--memory-budget {budget / 2**20:.0f} MiB is under a packed body of {pack_tokens} tokens "
-                         f"(~{smallest / 2**20:.0f} MiB; at most --max-batch-tokens): lower --max-batch-tokens "
-                         f"or use --batching exact")
-    return estimate
 
 
 def _add_reflection(gate: Gate, names: tuple[str, ...]) -> None:

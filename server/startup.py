@@ -1,4 +1,4 @@
-"""Where a server's memory and ranks stand at start-up: the GPU memory budget, the ranks' start-up barrier."""
+"""Where a server's memory and ranks stand at start-up: the GPU memory budget, the peak estimator, the ranks' barrier."""
 from __future__ import annotations
 
 import dataclasses
@@ -37,3 +37,29 @@ def startup_barrier(ctx, timeout_s: float = STARTUP_TIMEOUT_S) -> None:
     if ctx.control_group is None:
         return
     dist.monitored_barrier(ctx.control_group, timeout=datetime.timedelta(seconds=timeout_s), wait_all_ranks=True)
+
+
+def memory_estimator(loaded, config, vocab_local: int, tp: int = 1, cp: int = 1,
+                     pack_tokens: int = 0):
+    """job -> estimated peak bytes; refuses to start when no request could ever fit the --memory-budget."""
+    import numpy as np
+
+    from logitserve.memory import ModelDims, estimate_peak_bytes
+    from logitserve.spec import Job
+
+    from .servicer import STREAM_WINDOW
+
+    dims = ModelDims.of(loaded.model.config, vocab_local, loaded.head.weight.element_size(), tp, cp)
+    window = STREAM_WINDOW * config.max_message_bytes   # encoded messages a stream may hold
+
+    def estimate(job: Job) -> int:   # pack_tokens: a packed body's tokens (Engine.pack_tokens), 0 in exact mode
+        return estimate_peak_bytes(job, dims, config.engine.chunk_size, 0, window,   # buffers: Scheduler._hold
+                                   pack_tokens, config.engine.min_shared_prefix > 0)
+
+    budget = config.scheduler.memory_budget_bytes
+    smallest = estimate(Job(sequences=(np.zeros(1, np.int32),), scores=True))
+    if budget is not None and pack_tokens and smallest > budget:
+        raise ValueError(f"--memory-budget {budget / 2**20:.0f} MiB is under a packed body of {pack_tokens} tokens "
+                         f"(~{smallest / 2**20:.0f} MiB; at most --max-batch-tokens): lower --max-batch-tokens "
+                         f"or use --batching exact")
+    return estimate
