@@ -121,6 +121,32 @@ else
   skip flash "the CPU has no flash varlen kernel: packed attention runs sdpa per length there"
 fi
 
+step hidden 240 "$PY" - "$DEVICE" <<'EOF'
+import sys, numpy as np, torch
+sys.path.insert(0, "bench")
+from run import start_server
+from logitserve.client import TeacherClient
+device = sys.argv[1]
+proc, address = start_server("--dtype", "bf16", "--device", device)   # bf16 teacher: the head's rounding matters
+try:
+    seqs = [np.random.default_rng(0).integers(3, 32000, n) for n in (17, 300)]
+    with TeacherClient(address) as c:
+        r = c.forward(seqs, hidden_states=True, full_logits=True)
+        for where in dict.fromkeys([device, "cpu"]):                 # the student's head on the GPU and on the host
+            head = c.head(cache=False, devices=[where])
+            worst = tol = 0.0
+            for h, z in zip(r.hidden_states, r.full_logits):
+                diff = (head(torch.from_numpy(h)).cpu() - torch.from_numpy(z)).abs().max().item()
+                # fp32 logits: accumulation order only; logits rounded to bf16: at most one bf16 step of |z|
+                tol = max(tol, 1e-3 if head.spec.logits_dtype == "fp32" else 2.0 ** -7 * float(np.abs(z).max()))
+                worst = max(worst, diff)
+            print(f"hidden: head on {where} ({head.spec.dtype} weights, server logits {head.spec.logits_dtype}): "
+                  f"max |rebuilt - served| {worst:.2e} (bound {tol:.2e})")
+            assert worst <= tol, (where, worst, tol)
+finally:
+    proc.terminate(); proc.wait(60)
+EOF
+
 step load 240 "$PY" - "$DEVICE" "$DTYPE" "$SHAPE" <<'EOF'
 import sys, time, torch
 from logitserve.hostmem import peak_rss_mib
