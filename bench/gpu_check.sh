@@ -54,7 +54,7 @@ skip() {     # name why
 
 if [ "$DRY" = 1 ]; then
   WHEELS=.whl-dry DEVICE=cpu DTYPE=fp32 SHAPE=demo REPEATS=1 WORKLOADS=4x64
-  [ -d "$WHEELS" ] || bash bench/gpu_wheels.sh "$WHEELS" here
+  rm -rf "$WHEELS"; bash bench/gpu_wheels.sh "$WHEELS" here    # fresh: a stale logitserve wheel tests old code
 else
   WHEELS=.whl DEVICE=cuda DTYPE=bf16 SHAPE=1b REPEATS=3 WORKLOADS=8x512,64x64
 fi
