@@ -114,6 +114,80 @@ class CliServer:
         return self.proc.wait(timeout)
 
 
+class TorchrunServer:
+    """`logitserve serve` as two torchrun agents on this machine, as on two nodes: `--nnodes 2`, `nproc` ranks each,
+    c10d rendezvous on localhost (the README's multi-node command). The gRPC port opens on global rank 0, in
+    whichever agent c10d ranked first; stop() sends SIGTERM to that rank, which drains and stops the rest."""
+
+    def __init__(self, *args: str, nproc: int = 2, rdzv: str = "c10d"):
+        import socket
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        self.agents, self.logs, self.address, self.http = [], [[], []], None, None
+        found = threading.Event()
+        for node in range(2):
+            if rdzv == "c10d":
+                rendezvous = ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
+                              "--rdzv-id", f"logitserve-{port}", "--rdzv-conf", f"is_host={int(node == 0)}"]
+            else:                       # static: --node-rank decides, node 0 holds rank 0
+                rendezvous = ["--master-addr", "127.0.0.1", "--master-port", str(port)]
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", str(nproc),
+                   "--node-rank", str(node), *rendezvous, "-m", "logitserve.server.cli", "serve",
+                   "--host", "127.0.0.1", "--port", "0", *args]
+            agent = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                     start_new_session=True)
+            self.agents.append(agent)
+            threading.Thread(target=self._read, args=(agent, self.logs[node], found), daemon=True).start()
+        if not found.wait(240):
+            self._kill()
+            raise RuntimeError("torchrun server did not start:\n" + "".join(self.logs[0] + self.logs[1])[-6000:])
+
+    def _read(self, agent, log, found) -> None:
+        for line in agent.stdout:
+            log.append(line)
+            m = re.search(r"logitserve: serving \S+ on [\d.]+:(\d+)", line)
+            if m and not found.is_set():
+                self.address = f"127.0.0.1:{m.group(1)}"
+                http = re.search(r"\(HTTP on port (\d+)\)", line)
+                self.http = f"http://127.0.0.1:{http.group(1)}" if http else None
+                found.set()
+
+    @property
+    def log(self) -> list:
+        return self.logs[0] + self.logs[1]
+
+    def rank0(self):
+        """The worker process that listens on the gRPC port."""
+        import psutil
+
+        port = int(self.address.rsplit(":", 1)[1])
+        for agent in self.agents:
+            for child in psutil.Process(agent.pid).children(recursive=True):
+                try:
+                    if any(c.laddr.port == port and c.status == psutil.CONN_LISTEN for c in child.net_connections()):
+                        return child
+                except psutil.Error:
+                    continue
+        raise RuntimeError(f"no worker listens on {self.address}")
+
+    def _kill(self) -> None:
+        for agent in self.agents:
+            if agent.poll() is None:
+                os.killpg(agent.pid, signal.SIGKILL)
+
+    def stop(self, timeout: float = 60) -> int:
+        """Both agents' worst exit code (0: every rank exited 0)."""
+        try:
+            self.rank0().send_signal(signal.SIGTERM)
+            codes = [agent.wait(timeout) for agent in self.agents]
+        except Exception:
+            self._kill()
+            raise
+        return max(codes, key=abs)
+
+
 @pytest.fixture(scope="session")
 def demo_cli_server():
     server = CliServer("--logprob-chunk-size", "512")

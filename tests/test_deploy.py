@@ -46,3 +46,40 @@ def test_health_command_answers_for_a_live_server_and_fails_for_none(demo_cli_se
     assert ok.returncode == 0 and "SERVING" in ok.stdout
     down = run("127.0.0.1:1")
     assert down.returncode == 1 and "UNAVAILABLE" in down.stderr
+
+
+def test_k8s_multinode_example_launches_a_valid_torchrun_and_serve():
+    """The LeaderWorkerSet's command parses with torchrun's own parser and logitserve's, its ranks fill tp x cp,
+    node 0 (the leader, static rendezvous on its address) holds rank 0, and the Service selects leaders only."""
+    import argparse
+    import shlex
+
+    from torch.distributed.run import get_args_parser
+
+    from logitserve.server.cli import _serve_parser
+
+    docs = list(yaml.safe_load_all((ROOT / "deploy/k8s/teacher-multinode.yaml").read_text()))
+    lws = next(d for d in docs if d["kind"] == "LeaderWorkerSet")
+    service = next(d for d in docs if d["kind"] == "Service")
+    template = lws["spec"]["leaderWorkerTemplate"]
+    size = template["size"]
+    leader, worker = template["leaderTemplate"], template["workerTemplate"]
+    assert leader["spec"] == worker["spec"]                      # every node runs the same command
+    container = leader["spec"]["containers"][0]
+    env = {"LWS_GROUP_SIZE": str(size), "LWS_WORKER_INDEX": "0", "LWS_LEADER_ADDRESS": "leader.svc"}
+    words = shlex.split(container["args"][0])
+    words = [env.get(w.strip("$"), w) for w in words]
+    assert words[:2] == ["exec", "torchrun"]
+    split = words.index("logitserve")
+    run = get_args_parser().parse_args(words[2:split] + ["x"])
+    assert run.no_python and run.nnodes == str(size) and run.node_rank == 0 and run.master_addr == "leader.svc"
+    parser = argparse.ArgumentParser()
+    _serve_parser(parser.add_subparsers(dest="command"), argparse.HelpFormatter)
+    serve = parser.parse_args(words[split + 1:])
+    assert serve.tp * serve.cp == int(run.nproc_per_node) * size
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == int(run.nproc_per_node)
+    assert serve.tp <= int(run.nproc_per_node)                  # TP stays inside a node
+    grpc_port = next(p["containerPort"] for p in container["ports"] if p["name"] == "grpc")
+    assert serve.port == grpc_port and leader["spec"]["terminationGracePeriodSeconds"] > serve.grace_s
+    assert service["spec"]["selector"].items() <= leader["metadata"]["labels"].items()
+    assert not service["spec"]["selector"].items() <= worker["metadata"]["labels"].items()

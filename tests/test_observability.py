@@ -59,7 +59,7 @@ def test_reflection_lists_and_describes_the_services(llama_server):
         services = set(db.get_services())
         forward = DescriptorPool(db).FindServiceByName("logitserve.v1.LogitServe")
         assert {"logitserve.v1.LogitServe", "grpc.health.v1.Health"} <= services
-        assert {m.name for m in forward.methods} == {"Forward", "ModelInfo", "Detokenize"}
+        assert {m.name for m in forward.methods} == {"Forward", "ModelInfo", "Detokenize", "Head"}
         assert "texts" in forward.methods_by_name["Forward"].input_type.fields_by_name
 
 

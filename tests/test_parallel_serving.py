@@ -13,7 +13,7 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from conftest import CliServer
+from conftest import CliServer, TorchrunServer
 from helpers import Reference, build_model, random_seqs, ref_token_logprobs
 from logitserve.client import LogitServeError, TeacherClient, Wanted
 from test_outputs import _check_ranks, _close, _separated
@@ -21,8 +21,10 @@ from test_outputs import _check_ranks, _close, _separated
 V = 32003                          # odd: the vocab shards are padded under tp = 2
 LENGTHS = [1, 2, 7, 45, 130]       # none a multiple of 2 * cp beyond the trivial; crossing 16-row chunks
 # bench/gpu_check.sh sets these to run the same checks with CUDA + NCCL on the layouts its GPUs fit.
-LAYOUTS = [tuple(int(x) for x in spec.split("x"))
-           for spec in os.environ.get("LOGITSERVE_TEST_LAYOUTS", "1x1,2x1,1x2,2x2").split(",")]
+# "2x2@2nodes": tp 2 x cp 2 as two torchrun agents of two ranks each (c10d rendezvous on localhost), as on two nodes.
+LAYOUTS = [(int(grid.split("x")[0]), int(grid.split("x")[1]), where)
+           for grid, _, where in (spec.partition("@") for spec in
+                                  os.environ.get("LOGITSERVE_TEST_LAYOUTS", "1x1,2x1,1x2,2x2,2x2@2nodes").split(","))]
 DEVICE = os.environ.get("LOGITSERVE_TEST_DEVICE", "cpu")
 
 
@@ -32,12 +34,13 @@ def tp_model(tmp_path_factory):
     return directory, Reference(directory)
 
 
-@pytest.fixture(scope="module", params=LAYOUTS, ids=[f"tp{t}-cp{c}" for t, c in LAYOUTS])
+@pytest.fixture(scope="module", params=LAYOUTS, ids=[f"tp{t}-cp{c}" + (f"-{w}" if w else "") for t, c, w in LAYOUTS])
 def sharded(request, tp_model):
-    tp, cp = request.param
+    tp, cp, where = request.param
     directory, ref = tp_model
-    server = CliServer("--model", str(directory), "--tp", str(tp), "--cp", str(cp), "--logprob-chunk-size", "16",
-                       "--device", DEVICE, "--http-port", "0")
+    args = ("--model", str(directory), "--tp", str(tp), "--cp", str(cp), "--logprob-chunk-size", "16",
+            "--device", DEVICE, "--http-port", "0")
+    server = TorchrunServer(*args, nproc=tp * cp // 2) if where == "2nodes" else CliServer(*args)
     yield tp, cp, server, ref
     assert server.stop() == 0, "".join(server.log[-20:])
 
