@@ -28,6 +28,7 @@ class ModelInfo:
     tokenizer_hash: str = ""   # "" without a tokenizer; compare with logitserve.client.tokenizer_hash(yours)
     min_shared_prefix: int = 0     # sequences sharing this many leading tokens share their prefix's compute
     shared_prefix_tokens: int = 0  # prompt tokens the server computed once instead of per sequence, in all
+    pp_size: int = 1               # pipeline stages; ranks then also carry pp_rank
 
 
 class OutputsMixin:
@@ -121,12 +122,12 @@ def model_info_of(msg) -> ModelInfo:
     from logitserve.v1 import logitserve_pb2 as pb
 
     kind = {pb.CAUSAL_LM: "causal_lm", pb.REWARD_MODEL: "reward"}.get(msg.kind, "unknown")
-    ranks = tuple(dict(rank=r.rank, tp_rank=r.tp_rank, cp_rank=r.cp_rank, host=r.host, device=r.device)
-                  for r in msg.ranks)
+    ranks = tuple(dict(rank=r.rank, tp_rank=r.tp_rank, cp_rank=r.cp_rank, host=r.host, device=r.device,
+                       pp_rank=r.pp_rank) for r in msg.ranks)
     return ModelInfo(msg.name, msg.content_hash, msg.architecture, kind, msg.vocab_size, msg.max_sequence_length,
                      msg.dtype, msg.tp_size, msg.cp_size, msg.world_size, msg.num_labels, msg.max_message_bytes,
                      msg.server_version, ranks, batching_name(msg.batching), msg.tp_plan_source,
-                     msg.tokenizer_hash, msg.min_shared_prefix, msg.shared_prefix_tokens)
+                     msg.tokenizer_hash, msg.min_shared_prefix, msg.shared_prefix_tokens, max(1, msg.pp_size))
 
 
 def batching_name(value: int) -> str:

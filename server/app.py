@@ -115,7 +115,7 @@ def load_rank(model: ModelConfig, ctx) -> tuple:
     from logitserve.parallel import apply_parallelism, hook_cp
     from logitserve.shard_load import load_sharded
 
-    if ctx.tp == 1:
+    if ctx.tp == 1 and ctx.pp == 1:
         return apply_parallelism(load(model), ctx)
     path, name = _source(model)
     # Only rank 0 reports the hash. It reads every weight file (minutes for a 100+ GB teacher), so it runs beside
@@ -123,7 +123,7 @@ def load_rank(model: ModelConfig, ctx) -> tuple:
     # collective whose --collective-timeout it would exceed.
     hashing = ThreadPoolExecutor(1).submit(content_hash, path) if ctx.is_root else None
     loaded, shard = load_sharded(path, model.dtype, ctx.device, ctx.tp_rank, ctx.tp, ctx.tp_group,
-                                 max_seq_len=model.max_seq_len, name=name, content="")
+                                 max_seq_len=model.max_seq_len, name=name, content="", pp=ctx.pp, stage=ctx.pp_rank)
     if hashing is not None:
         loaded = dataclasses.replace(loaded, content_hash=hashing.result())
     startup_barrier(ctx)
@@ -259,8 +259,8 @@ async def _until_stopped(running: Running, config: ServerConfig, fatal: asyncio.
 
 
 def _announce(loaded: LoadedModel, config: ServerConfig, running: Running) -> None:
-    log.info("serving %s (%s, %s) tp=%d cp=%d on %s:%d", loaded.name, loaded.content_hash, loaded.architecture,
-             running.layout.tp, running.layout.cp, config.host, running.port)
+    log.info("serving %s (%s, %s) tp=%d cp=%d pp=%d on %s:%d", loaded.name, loaded.content_hash,
+             loaded.architecture, running.layout.tp, running.layout.cp, running.layout.pp, config.host, running.port)
     if running.metrics_port is not None:
         log.info("metrics on http://%s:%d/metrics", config.host, running.metrics_port)
     if running.http_port is not None:

@@ -26,6 +26,10 @@ def _serve_parser(sub, formatter) -> None:
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads per rank")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (vocab-parallel logits)")
     p.add_argument("--cp", type=int, default=1, help="context-parallel ranks (long sequences)")
+    p.add_argument("--pp", type=int, default=1, help="pipeline stages (decoder layers split by parameters; "
+                                                     "teachers larger than a node: --tp inside a node, --pp across)")
+    p.add_argument("--pp-microbatch-tokens", type=int, default=512,
+                   help="--pp: tokens per micro-batch at most (several per batch keep every stage busy)")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     p.add_argument("--collective-timeout", type=float, default=60.0, help="seconds before a collective fails")
     p.add_argument("--max-batch-tokens", type=int, default=16384,
@@ -161,15 +165,19 @@ def _cmd_serve(args, argv: list[str]) -> int:
     from .requests import StreamLimits
     from .launch import spawn_local, under_torchrun
 
-    parallel = ParallelConfig(tp=args.tp, cp=args.cp, collective_timeout_s=args.collective_timeout,
-                              device=args.device)
+    try:
+        parallel = ParallelConfig(tp=args.tp, cp=args.cp, collective_timeout_s=args.collective_timeout,
+                                  device=args.device, pp=args.pp)
+    except ValueError as e:
+        print(f"logitserve: {e}", file=sys.stderr)
+        return 2
     from logitserve.preflight import StartupError, check_layout, check_model_dir, check_versions
 
     if not under_torchrun():       # once, before any rank starts (under torchrun: every rank checks alike)
         try:
             check_versions()
             check_model_dir(args.model)
-            check_layout(args.model, args.demo, args.demo_shape, args.tp, args.cp)
+            check_layout(args.model, args.demo, args.demo_shape, args.tp, args.cp, args.pp)
         except StartupError as e:
             print(f"logitserve: {e}", file=sys.stderr)
             return 2
@@ -206,7 +214,8 @@ def _cmd_serve(args, argv: list[str]) -> int:
                           max_request_bytes=args.max_request_bytes,
                           engine=EngineConfig(chunk_size=args.logprob_chunk_size, batching=Batching(args.batching),
                                               max_pack_tokens=args.max_batch_tokens,
-                                              min_shared_prefix=args.min_shared_prefix), scheduler=scheduler,
+                                              min_shared_prefix=args.min_shared_prefix,
+                                              pp_microbatch_tokens=args.pp_microbatch_tokens), scheduler=scheduler,
                           security=SecurityConfig(args.tls_cert, args.tls_key, args.tls_client_ca,
                                                   args.auth_token_file), metrics_port=args.metrics_port,
                           http_port=args.http_port, served_model_names=tuple(args.served_model_name or ()),

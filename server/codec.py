@@ -211,8 +211,8 @@ def encode_model_info(loaded, layout, max_message_bytes: int, version: str, batc
         name=loaded.name, content_hash=loaded.content_hash, architecture=loaded.architecture, kind=kind,
         vocab_size=loaded.vocab_size, max_sequence_length=loaded.max_seq_len, dtype=DTYPE_NAMES[loaded.dtype],
         tp_size=layout.tp, cp_size=layout.cp, world_size=layout.world_size,
-        ranks=[pb.RankInfo(rank=r.rank, tp_rank=r.tp_rank, cp_rank=r.cp_rank, host=r.host, device=r.device)
-               for r in layout.ranks],
+        ranks=[pb.RankInfo(rank=r.rank, tp_rank=r.tp_rank, cp_rank=r.cp_rank, host=r.host, device=r.device,
+                           pp_rank=r.pp_rank) for r in layout.ranks], pp_size=layout.pp,
         num_labels=loaded.num_labels, max_message_bytes=max_message_bytes, server_version=version,
         batching=encode_batching(batching), tp_plan_source=loaded.plan_source,
         tokenizer_hash=loaded.text.hash if loaded.text is not None else "",

@@ -32,9 +32,10 @@ def _others_emit(jobs: list[Job], step: Step, ctx: ParallelContext) -> bool:
     """Whether ranks other than 0 produce pieces in this step; every rank reaches the same answer.
 
     Under TP alone, the outputs every TP rank holds alike come from rank 0; only
-    full-logits slices come from each rank's vocab shard. Under CP, rows are spread.
+    full-logits slices come from each rank's vocab shard. Under CP, rows are spread; under PP the last stage
+    holds the head.
     """
-    return ctx.cp > 1 or any(jobs[j].full_logits is not None for j in step.jobs)
+    return ctx.cp > 1 or ctx.pp > 1 or any(jobs[j].full_logits is not None for j in step.jobs)
 
 
 def _share_dropped(dropped: list[bool], ctx: ParallelContext, skip: Optional[Callable[[int], bool]] = None) -> None:

@@ -51,6 +51,7 @@ class EngineConfig:
                                             # on CPU also at most packing.cpu_pack_tokens (allocator-friendly)
     min_shared_prefix: int = 64             # packed: sequences sharing this many leading tokens share their
                                             # prefix's body (logitserve.prefix); 0 = off (--min-shared-prefix)
+    pp_microbatch_tokens: int = 512         # --pp: tokens per micro-batch (pack) at most (--pp-microbatch-tokens)
 
     def __post_init__(self):
         if self.chunk_size < 1 or self.max_pack_tokens < 1 or self.min_shared_prefix < 0:
@@ -101,9 +102,14 @@ class Engine:
         # Local columns from here on are padding (tp does not divide V): masked to -inf.
         pad_from = min(self.shard.size, max(0, self.shard.vocab_size - self.shard.start))
         self.head_shard = HeadShard(self.shard, pad_from, emits_replicated=self.parallel.tp_rank == 0)
-        self._hidden_size = int(loaded.head.in_features)      # H: the width of HIDDEN_STATES
-        # Packing needs each sequence whole on one rank: under CP the body runs per sequence.
+        self.hidden_size = int(loaded.head.in_features)      # H: the width of HIDDEN_STATES
+        # Packing needs each sequence whole on one rank: under CP the body runs per sequence. Under PP the
+        # micro-batches are packs (logitserve.pipeline).
         self.batching = Batching.EXACT if self.parallel.cp > 1 else config.batching
+        if self.parallel.pp > 1:
+            self.batching = Batching.PACKED
+        self.act_dtype = loaded.dtype            # activations between pipeline stages
+        self.stage_input = loaded.stage_input
         self.pack_tokens = 0                     # tokens per packed body; 0 in exact mode
         if self.batching is Batching.PACKED:
             sinks = [n for n, _ in loaded.body.named_parameters() if n.endswith(".sinks")]
@@ -117,6 +123,8 @@ class Engine:
                 dims = ModelDims.of(loaded.model.config, self.shard.size, loaded.head.weight.element_size(),
                                     self.parallel.tp)
                 self.pack_tokens = cpu_pack_tokens(dims.hidden, dims.intermediate, config.max_pack_tokens)
+            if self.parallel.pp > 1:        # micro-batches: several per batch keep every stage busy
+                self.pack_tokens = min(self.pack_tokens, config.pp_microbatch_tokens)
 
     # -- the model ------------------------------------------------------------
     @torch.inference_mode()
@@ -180,6 +188,11 @@ class Engine:
         a failed collective (CollectiveFailed) is never isolated: the ranks are out of step.
         """
         run = _Run(jobs, skip or (lambda j: False), isolate, across_ranks=self.parallel.config.world_size > 1)
+        if self.parallel.pp > 1:
+            from .pipeline import pipeline_steps
+
+            yield from pipeline_steps(self, run, self._plan(run))
+            return
         if self.batching is Batching.EXACT:
             for j, job in enumerate(jobs):
                 for i, seq in enumerate(job.sequences):
@@ -229,7 +242,7 @@ class Engine:
         lo, hi = job.head_rows(i, self.shard.vocab_size)          # only rows someone reads go through the head
         span = job.token_rows(i) if job.prompt_lengths is not None else None
         if _span_is_empty(job, i):     # a Step on every rank (they gather step by step), pieces from one
-            empty = empty_token_pieces(job, i, self.head_shard, cands, self._hidden_size) if p.cp_rank == 0 else []
+            empty = empty_token_pieces(job, i, self.head_shard, cands, self.hidden_size) if p.cp_rank == 0 else []
             yield Step((j,), tuple((j, piece) for piece in empty))
         for run in runs:
             for c0 in range(0, run.length, chunk):
@@ -257,9 +270,11 @@ class Engine:
                 for r, i in enumerate(sequences)]
 
     # -- packed: one body for many sequences --------------------------------------------
-    def _pack_steps(self, run: "_Run", pack: Pack) -> Iterator[Step]:
+    def _pack_steps(self, run: "_Run", pack: Pack, h: Optional[torch.Tensor] = None) -> Iterator[Step]:
+        """A pack's steps; `h` [N, H]: its body already ran (the last pipeline stage), for every member."""
         jobs = run.jobs
-        body = live_members(pack, run.live)  # with shared prefixes (job -1) that some live member continues
+        # with shared prefixes (job -1) that some live member continues; under PP the body ran for all of them
+        body = live_members(pack, run.live) if h is None else list(pack.members)
         members = [m for m in body if m.job >= 0]
         if not members:
             return
@@ -269,8 +284,9 @@ class Engine:
             src = m if m.job >= 0 else next(x for x in body[k + 1:] if x.parent == k)
             tokens.append(ids[(src.job, src.sequence)][m.start : m.start + m.length])
         try:
-            h = self.packed_hidden(torch.cat(tokens), [m.length for m in body], [m.start for m in body],
-                                   [m.parent for m in body])                                     # [N, H]
+            if h is None:
+                h = self.packed_hidden(torch.cat(tokens), [m.length for m in body], [m.start for m in body],
+                                       [m.parent for m in body])                                 # [N, H]
         except Exception as e:
             run.reraise_unless_isolated(e)
             for m in members:   # redo per sequence: whoever fails, fails alone
@@ -301,7 +317,7 @@ class Engine:
             yield Step(tuple(dict.fromkeys(m.job for m in spanless)),
                        tuple((m.job, piece) for m in spanless
                              for piece in empty_token_pieces(jobs[m.job], m.sequence, self.head_shard, cands[m.job],
-                                                             self._hidden_size)))
+                                                             self.hidden_size)))
         # The head runs only on the rows someone reads (all of them unless prompt_lengths or a slice say less):
         # each member's rows [lo, hi), gathered into one [M, H] block when that is not all of h.
         V = self.shard.vocab_size

@@ -12,6 +12,7 @@ class RankPlace:
     cp_rank: int
     host: str
     device: str
+    pp_rank: int = 0
 
 
 @dataclass(frozen=True)
@@ -19,10 +20,11 @@ class Layout:
     tp: int
     cp: int
     ranks: tuple[RankPlace, ...]
+    pp: int = 1
 
     @property
     def world_size(self) -> int:
-        return self.tp * self.cp
+        return self.tp * self.cp * self.pp
 
 
 def single_process(device: str = "cpu") -> Layout:

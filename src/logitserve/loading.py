@@ -72,6 +72,7 @@ class LoadedModel:
     plan_source: str = ""     # where the TP plan came from: transformers, logitserve, both; "" at tp = 1
     text: Optional[object] = None   # tokenizing.TextEncoder where the directory ships a tokenizer
     head_checkpoint: Optional[tuple[str, str]] = None   # (directory, key) a vocab-sharded head was read from
+    stage_input: Optional[object] = None     # pipeline.StageInput on later pipeline stages
 
     @property
     def limits(self) -> ModelLimits:

@@ -1,7 +1,7 @@
 """Tensor/context-parallel set-up: process groups with timeouts, and TP as a pass over a loaded model.
 
-Rank layout: rank = cp_rank * tp + tp_rank (TP ranks adjacent, so a TP group
-stays inside a node). Under TP each rank loads only its shards (shard_load, with
+Rank layout: rank = (pp_rank * cp + cp_rank) * tp + tp_rank (TP ranks adjacent, so a
+TP group stays inside a node; pipeline stages outermost, so they span nodes). Under TP each rank loads only its shards (shard_load, with
 the plan from tp_plan); logits stay vocab-sharded [N, V/tp], padded with columns
 that the engine masks to -inf when tp does not divide V.
 """
@@ -27,14 +27,19 @@ class ParallelConfig:
     cp: int = 1
     collective_timeout_s: float = 60.0   # every collective fails loudly after this
     device: str = "auto"                 # auto | cpu | cuda
+    pp: int = 1                          # pipeline stages (logitserve.pipeline)
 
     def __post_init__(self):
-        if self.tp < 1 or self.cp < 1:
-            raise ValueError(f"tp={self.tp} and cp={self.cp} must both be >= 1")
+        if self.tp < 1 or self.cp < 1 or self.pp < 1:
+            raise ValueError(f"tp={self.tp}, cp={self.cp} and pp={self.pp} must all be >= 1")
+        if self.pp > 1 and self.cp > 1:
+            raise ValueError(f"--pp {self.pp} with --cp {self.cp}: not supported. CP spreads every sequence over "
+                             f"its ranks and runs bodies per sequence; a pipeline needs whole micro-batches per "
+                             f"stage. Serve long contexts with --tp x --cp, deep teachers with --tp x --pp")
 
     @property
     def world_size(self) -> int:
-        return self.tp * self.cp
+        return self.tp * self.cp * self.pp
 
 
 @dataclass(frozen=True)
@@ -47,10 +52,19 @@ class ParallelContext:
     tp_group: Optional[dist.ProcessGroup]       # None when tp = 1
     cp_group: Optional[dist.ProcessGroup]       # None when cp = 1
     control_group: Optional[dist.ProcessGroup]  # gloo, for jobs and results; None when world = 1
+    pp_rank: int = 0                            # this rank's pipeline stage
 
     @property
     def tp(self) -> int:
         return self.config.tp
+
+    @property
+    def pp(self) -> int:
+        return self.config.pp
+
+    def stage_peer(self, step: int) -> int:
+        """The rank with this tp_rank (and cp_rank) `step` stages later (negative: earlier)."""
+        return self.rank + step * self.tp * self.cp
 
     @property
     def cp(self) -> int:
@@ -89,35 +103,36 @@ def init_parallel(config: ParallelConfig) -> ParallelContext:
     """Join the process group (env:// rendezvous: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) and make the groups."""
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     if world != config.world_size:
-        raise ValueError(f"WORLD_SIZE={world} but tp x cp = {config.tp} x {config.cp} = {config.world_size}")
+        raise ValueError(f"WORLD_SIZE={world} but tp x cp x pp = {config.tp} x {config.cp} x {config.pp} = "
+                         f"{config.world_size}")
     device = _device(config)
     backend = "nccl" if device.type == "cuda" else "gloo"
     timeout = datetime.timedelta(seconds=config.collective_timeout_s)
     kw = nccl_options(device) if backend == "nccl" else {}
     dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout, **kw)
     tp, cp = config.tp, config.cp
-    tp_rank, cp_rank = rank % tp, rank // tp
+    tp_rank, cp_rank, pp_rank = rank % tp, (rank // tp) % cp, rank // (tp * cp)
     tp_group = cp_group = None
-    for c in range(cp):   # every rank creates every group, in the same order
+    for c in range(cp * config.pp):   # every rank creates every group, in the same order
         g = dist.new_group([c * tp + t for t in range(tp)], timeout=timeout, backend=backend)
-        if c == cp_rank and tp > 1:
+        if c == rank // tp and tp > 1:
             tp_group = g
     for t in range(tp):
         g = dist.new_group([c * tp + t for c in range(cp)], timeout=timeout, backend=backend)
         if t == tp_rank and cp > 1:
             cp_group = g
     control = dist.new_group(list(range(world)), timeout=timeout, backend="gloo")
-    return ParallelContext(config, rank, tp_rank, cp_rank, device, tp_group, cp_group, control)
+    return ParallelContext(config, rank, tp_rank, cp_rank, device, tp_group, cp_group, control, pp_rank)
 
 
 def gather_layout(ctx: ParallelContext) -> Layout:
     """Every rank's place and device, known to all (for model_info)."""
-    me = RankPlace(ctx.rank, ctx.tp_rank, ctx.cp_rank, socket.gethostname(), str(ctx.device))
+    me = RankPlace(ctx.rank, ctx.tp_rank, ctx.cp_rank, socket.gethostname(), str(ctx.device), ctx.pp_rank)
     if ctx.control_group is None:
         return Layout(1, 1, (me,))
     places = [None] * ctx.config.world_size
     dist.all_gather_object(places, me, group=ctx.control_group)
-    return Layout(ctx.tp, ctx.cp, tuple(places))
+    return Layout(ctx.tp, ctx.cp, tuple(places), ctx.pp)
 
 
 def apply_parallelism(loaded: LoadedModel, ctx: ParallelContext) -> tuple[LoadedModel, VocabShard]:

@@ -43,11 +43,11 @@ def check_model_dir(path: Optional[str]) -> None:
         raise StartupError(f"--model {path}: no weights (*.safetensors) in it{hint}")
 
 
-def check_layout(path: Optional[str], demo: str, demo_shape: str, tp: int, cp: int) -> None:
-    """tp x cp must split this model: checked from its config before any rank starts."""
-    if tp < 1 or cp < 1:
-        raise StartupError(f"--tp {tp} and --cp {cp} must be >= 1")
-    if tp == 1:
+def check_layout(path: Optional[str], demo: str, demo_shape: str, tp: int, cp: int, pp: int = 1) -> None:
+    """tp x cp x pp must split this model: checked from its config before any rank starts."""
+    if tp < 1 or cp < 1 or pp < 1:
+        raise StartupError(f"--tp {tp}, --cp {cp} and --pp {pp} must be >= 1")
+    if tp == 1 and pp == 1:
         return
     from .tp_plan import check_layout as check_tp
 
@@ -59,8 +59,12 @@ def check_layout(path: Optional[str], demo: str, demo_shape: str, tp: int, cp: i
         from transformers import AutoConfig
 
         config = AutoConfig.from_pretrained(path, local_files_only=True)
+    layers = int(getattr(config.get_text_config(), "num_hidden_layers", 0) or 0)
+    if pp > 1 and layers < pp:
+        raise StartupError(f"--pp {pp}: config.num_hidden_layers={layers}; each stage needs at least one layer")
     try:
-        check_tp(config, tp)
+        if tp > 1:
+            check_tp(config, tp)
     except ValueError as e:
         raise StartupError(str(e)) from None
 

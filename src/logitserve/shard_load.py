@@ -69,8 +69,9 @@ def _vocab_head(ckpt: Checkpoint, key: str, vocab: int, hidden: int, dtype, devi
 
 def load_sharded(directory, dtype: str, device: torch.device, rank: int, tp: int, group,
                  max_seq_len: int | None = None, name: str | None = None,
-                 content: str | None = None) -> tuple[LoadedModel, VocabShard]:
-    """This TP rank's model: body shards with their collectives on `group`, and its lm_head vocab shard."""
+                 content: str | None = None, pp: int = 1, stage: int = 0) -> tuple[LoadedModel, VocabShard]:
+    """This TP rank's model: body shards with their collectives on `group`, and its lm_head vocab shard; under
+    PP only its stage's layers (the embedding on the first stage, the final norm and the head on the last)."""
     from transformers import AutoConfig
 
     t0 = time.perf_counter()
@@ -95,11 +96,12 @@ def load_sharded(directory, dtype: str, device: torch.device, rank: int, tp: int
     tied = head_param is not None and head_param is model.get_input_embeddings().weight
     fp32_keep = tuple(getattr(model, "_keep_in_fp32_modules", None) or ())
     embedding = model.get_input_embeddings()
-    split_embedding = tp > 1 and shardable_embedding(embedding)
+    split_embedding = tp > 1 and shardable_embedding(embedding) and stage == 0
+    layers, skip = _stage_layers(model, body, prefix, kind, pp, stage) if pp > 1 else (None, lambda n, p: False)
     missing = []
     for pname, p in list(model.named_parameters()):
-        if (p is head_param and not tied) or (split_embedding and p is embedding.weight):
-            continue                      # read below as this rank's vocab shard
+        if (p is head_param and not tied) or (split_embedding and p is embedding.weight) or skip(pname, p):
+            continue                      # read below as this rank's vocab shard, or another stage's
         if pname not in sources:
             missing.append(pname)
             continue
@@ -132,9 +134,19 @@ def load_sharded(directory, dtype: str, device: torch.device, rank: int, tp: int
         key_name = head_name if head_name in sources and not tied else names[id(emb)]
         vocab = int(find_head(model, kind).out_features)
         head_key = sources[key_name].keys[0][2]
-        shard_head, vshard = _vocab_head(ckpt, head_key, vocab, emb.shape[1], DTYPES[dtype],
-                                         device, rank, tp, group if tp > 1 else None)
+        hidden = emb.shape[1]
+        if stage == pp - 1:
+            shard_head, vshard = _vocab_head(ckpt, head_key, vocab, hidden, DTYPES[dtype],
+                                             device, rank, tp, group if tp > 1 else None)
+        else:                             # an earlier pipeline stage has no head: an empty one keeps dtype and H
+            shard_head = nn.Linear(hidden, 0, bias=False, device=device, dtype=DTYPES[dtype])
+            vshard = VocabShard(0, 0, vocab, None)
         setattr(model, _head_attr(model), shard_head)
+    stage_input = None
+    if layers is not None:                # this stage's layers only; the others stay meta and go
+        from .pipeline import install_stage
+
+        stage_input = install_stage(body, layers, stage, pp, int(config.get_text_config().hidden_size), DTYPES[dtype])
     model.to(device)                      # the buffers built on the host (rotary tables)
     loaded = describe(model, config, path, dtype, max_seq_len, name, head=shard_head, content=content,
                       vocab=vocab)
@@ -142,8 +154,34 @@ def load_sharded(directory, dtype: str, device: torch.device, rank: int, tp: int
         vshard = VocabShard(0, loaded.vocab_size, loaded.vocab_size, None)
     log.info("rank %d loaded its shards (tp=%d, plan from %s) in %.1f s; peak RSS %.0f MiB",
              rank, tp, plan.source or "-", time.perf_counter() - t0, peak_rss_mib())
-    return dataclasses.replace(loaded, plan_source=plan.source,
+    return dataclasses.replace(loaded, plan_source=plan.source, stage_input=stage_input,
                                head_checkpoint=(str(path), head_key) if head_key else None), vshard
+
+
+def _stage_layers(model: nn.Module, body: nn.Module, prefix: str, kind: ModelKind, pp: int, stage: int):
+    """(this stage's layers [a, b), skip(name, param)): which parameters other stages hold."""
+    from .pipeline import split_stages
+
+    if kind is not ModelKind.CAUSAL_LM:
+        raise ValueError("--pp serves causal LMs; a reward model's score head is not staged (serve it with --tp)")
+    blocks = getattr(body, "layers", None)
+    if not isinstance(blocks, nn.ModuleList):
+        raise ValueError(f"{type(body).__name__} has no `layers` list to split into --pp {pp} stages")
+    sizes = [sum(p.numel() for p in b.parameters()) for b in blocks]
+    emb = model.get_input_embeddings().weight
+    head = model.get_output_embeddings().weight
+    norm = sum(p.numel() for p in body.norm.parameters()) if hasattr(body, "norm") else 0
+    bounds = split_stages(sizes, emb.numel(), norm + head.numel(), pp)
+    a, b = bounds[stage]
+    if stage == 0:
+        log.info("pipeline stages (decoder layers): %s", ", ".join(f"[{x}, {y})" for x, y in bounds))
+    others = tuple(f"{prefix}layers.{i}." for i in range(len(blocks)) if not a <= i < b)
+    norm_name = f"{prefix}norm."
+
+    def skip(name: str, p) -> bool:
+        return (name.startswith(others) or (stage > 0 and p is emb) or (stage < pp - 1 and p is head and p is not emb)
+                or (stage < pp - 1 and name.startswith(norm_name)))
+    return (a, b), skip
 
 
 def _head_attr(model: nn.Module) -> str:

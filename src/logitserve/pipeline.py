@@ -1,0 +1,151 @@
+"""Pipeline parallelism for a forward-only server: contiguous decoder-layer stages and the micro-batch schedule.
+
+Stages split the decoder layers by parameter count (the embedding counted on the first
+stage, the final norm and the lm_head on the last). Every rank plans the same packs
+(micro-batches) for a batch. Stage s works `lead = pp - 1 - s` micro-batches ahead of the
+last stage: it receives micro-batch i's activations `[tokens, H]` from stage s - 1, runs
+its layers and sends them on (isend: it goes on with the next while they travel), so
+after the fill every stage works at once. The last stage runs the head on micro-batch i
+and its pieces go to rank 0 in the runner's step gather, one step per micro-batch on
+every rank, which is also what keeps the stages in step: stage s enters micro-batch i's
+gather only after sending micro-batch i + lead. In flight per stage: `lead` micro-batches
+(the fewest that keep the last stage fed without a stall, and a bounded activation memory
+of lead x [tokens, H]). Every send and receive runs under the process group's timeout.
+"""
+from __future__ import annotations
+
+from typing import Iterator, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+def split_stages(layer_sizes: list[int], first_extra: int, last_extra: int, pp: int) -> list[tuple[int, int]]:
+    """Contiguous layer ranges [a, b), one per stage, each non-empty, minimising the largest stage's parameters
+    (first_extra: the embedding's, on stage 0; last_extra: the norm's and head's, on the last stage)."""
+    n = len(layer_sizes)
+    if not 1 <= pp <= n:
+        raise ValueError(f"--pp {pp}: the model has {n} decoder layers; at most {n} stages, at least 1")
+    prefix = [0]
+    for x in layer_sizes:
+        prefix.append(prefix[-1] + x)
+    INF = float("inf")
+    # best[s][i]: the smallest possible largest stage when stages 0..s-1 hold layers [0, i)
+    best = [[INF] * (n + 1) for _ in range(pp + 1)]
+    cut = [[0] * (n + 1) for _ in range(pp + 1)]
+    best[0][0] = 0
+    for s in range(1, pp + 1):
+        for i in range(s, n - (pp - s) + 1):
+            for j in range(s - 1, i):
+                size = prefix[i] - prefix[j] + (first_extra if s == 1 else 0) + (last_extra if s == pp else 0)
+                value = max(best[s - 1][j], size)
+                if value < best[s][i]:
+                    best[s][i], cut[s][i] = value, j
+    bounds, i = [], n
+    for s in range(pp, 0, -1):
+        j = cut[s][i]
+        bounds.append((j, i))
+        i = j
+    return bounds[::-1]
+
+
+class ZeroEmbedding(nn.Module):
+    """A later stage's input embedding: no weights, zeros of the right shape (the first local layer's input is
+    replaced by the received activations; models that scale their embeddings scale zeros)."""
+
+    def __init__(self, hidden: int, dtype: torch.dtype, num_embeddings: int):
+        super().__init__()
+        self.hidden, self.dtype, self.num_embeddings = hidden, dtype, num_embeddings
+        self.register_buffer("anchor", torch.zeros(0, dtype=dtype), persistent=False)     # follows .to(device)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return torch.zeros(*ids.shape, self.hidden, dtype=self.dtype, device=self.anchor.device)
+
+
+class StageInput:
+    """Feeds the received activations to the stage's first layer, in place of what the body computed before it."""
+
+    def __init__(self, first_layer: nn.Module):
+        self.value: Optional[torch.Tensor] = None                                    # [N, H]
+        first_layer.register_forward_pre_hook(self._hook, with_kwargs=True)
+
+    def _hook(self, module, args, kwargs):
+        if self.value is None:
+            return None
+        x = self.value[None]                                                         # [1, N, H]
+        if args:
+            return (x, *args[1:]), kwargs
+        return args, {**kwargs, "hidden_states": x}
+
+
+def install_stage(body: nn.Module, layers: tuple[int, int], stage: int, pp: int, hidden: int,
+                  dtype: torch.dtype) -> Optional[StageInput]:
+    """Keep this stage's decoder layers [a, b) of `body` (its others were never loaded), a weightless embedding on
+    later stages, no final norm before the last. The StageInput of a later stage, or None on the first."""
+    if not isinstance(getattr(body, "layers", None), nn.ModuleList) or not hasattr(body, "norm"):
+        raise ValueError(f"{type(body).__name__}: pipeline stages need a `layers` ModuleList and a final `norm`")
+    a, b = layers
+    body.layers = nn.ModuleList(list(body.layers)[a:b])
+    if stage < pp - 1:
+        body.norm = nn.Identity()
+    if stage == 0:
+        return None
+    body.set_input_embeddings(ZeroEmbedding(hidden, dtype, body.get_input_embeddings().num_embeddings))
+    return StageInput(body.layers[0])
+
+
+def pipeline_steps(engine, run, units: list) -> Iterator:
+    """This rank's Steps for a batch under PP: one per micro-batch (pack), the same count on every rank."""
+    from .engine import Step
+    from .prefix import shared_by_job
+
+    ctx = engine.parallel
+    stage, pp = ctx.pp_rank, ctx.pp
+    last = stage == pp - 1
+    lead = pp - 1 - stage
+    in_flight: list = []                      # (work, tensor) of sends not yet known to have left
+    done: dict[int, torch.Tensor] = {}
+
+    def advance(i: int) -> None:
+        members = list(units[i].members)
+        ids = {(m.job, m.sequence): engine._ids(run.jobs[m.job].sequences[m.sequence]) for m in members if m.job >= 0}
+        tokens = []
+        for k, m in enumerate(members):       # a shared prefix's tokens: the start of the sequence that follows it
+            src = m if m.job >= 0 else next(x for x in members[k + 1:] if x.parent == k)
+            tokens.append(ids[(src.job, src.sequence)][m.start : m.start + m.length])
+        n = sum(m.length for m in members)
+        if stage > 0:
+            incoming = torch.empty(n, engine.hidden_size, dtype=engine.act_dtype, device=engine.device)   # [N, H]
+            dist.recv(incoming, src=ctx.stage_peer(-1))
+            engine.stage_input.value = incoming
+        h = engine.packed_hidden(torch.cat(tokens), [m.length for m in members], [m.start for m in members],
+                                 [m.parent for m in members])                                              # [N, H]
+        if engine.stage_input is not None:
+            engine.stage_input.value = None
+        if last:
+            done[i] = h
+            return
+        h = h.contiguous()
+        in_flight.append((dist.isend(h, dst=ctx.stage_peer(1)), h))
+        while len(in_flight) > max(lead, 1):
+            in_flight.pop(0)[0].wait()
+
+    for i in range(min(lead, len(units))):
+        advance(i)
+    for i, pack in enumerate(units):
+        if i + lead < len(units):
+            advance(i + lead)
+        jobs = tuple(dict.fromkeys(m.job for m in pack.members if m.job >= 0))
+        shared = tuple(shared_by_job(list(pack.members))) if ctx.is_root else ()
+        if not last:
+            yield Step(jobs, shared=shared)
+            continue
+        pieces: list = []
+        for step in engine._pack_steps(run, pack, h=done.pop(i)):
+            pieces += step.pieces
+            if engine.head_shard.emits_replicated:   # (job, exception) travel with the pieces: rank 0 has no head
+                pieces += step.errors
+        yield Step(jobs, tuple(pieces), shared=shared)
+    for work, _ in in_flight:
+        work.wait()
