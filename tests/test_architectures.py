@@ -118,3 +118,18 @@ def test_reward_variants_equal_reference(dirs, arch, tp):
         _check_scores(server.address, Reference(directory))
     finally:
         assert server.stop() == 0, "".join(server.log[-30:])
+
+
+@pytest.mark.parametrize("arch,tp", [("llama", 1), ("qwen3_moe", 1), ("gemma2", 1), ("gemma3", 1), ("llama-tied", 1),
+                                     ("qwen3_moe", 2), ("gemma2", 2)])
+def test_pp2_stages_equal_reference(dirs, arch, tp):
+    """Two pipeline stages (one decoder layer each), alone and with TP 2 inside each stage: every output against
+    float64. Gemma's scaled embeddings and softcapping, Qwen3-MoE's experts, a tied head read on the last stage."""
+    server = CliServer("--model", str(dirs[arch]), "--pp", "2", "--tp", str(tp), "--logprob-chunk-size", "16",
+                       "--pp-microbatch-tokens", "48")
+    try:
+        info = _check(server.address, Reference(dirs[arch]))
+        assert (info.pp_size, info.tp_size, info.world_size) == (2, tp, 2 * tp)
+        assert sorted(r["pp_rank"] for r in info.ranks) == [0] * tp + [1] * tp
+    finally:
+        assert server.stop() == 0, "".join(server.log[-30:])

@@ -21,10 +21,16 @@ from test_outputs import _check_ranks, _close, _separated
 V = 32003                          # odd: the vocab shards are padded under tp = 2
 LENGTHS = [1, 2, 7, 45, 130]       # none a multiple of 2 * cp beyond the trivial; crossing 16-row chunks
 # bench/gpu_check.sh sets these to run the same checks with CUDA + NCCL on the layouts its GPUs fit.
-# "2x2@2nodes": tp 2 x cp 2 as two torchrun agents of two ranks each (c10d rendezvous on localhost), as on two nodes.
-LAYOUTS = [(int(grid.split("x")[0]), int(grid.split("x")[1]), where)
-           for grid, _, where in (spec.partition("@") for spec in
-                                  os.environ.get("LOGITSERVE_TEST_LAYOUTS", "1x1,2x1,1x2,2x2,2x2@2nodes").split(","))]
+# "TPxCP[xPP][@2nodes]": "2x1x2" is tp 2 x pp 2; "@2nodes" runs it as two torchrun agents of world / 2 ranks each
+# (c10d rendezvous on localhost), as on two nodes.
+def _layout(spec: str) -> tuple[int, int, int, str]:
+    grid, _, where = spec.partition("@")
+    dims = [int(x) for x in grid.split("x")] + [1]
+    return dims[0], dims[1], dims[2], where
+
+
+LAYOUTS = [_layout(spec) for spec in os.environ.get(
+    "LOGITSERVE_TEST_LAYOUTS", "1x1,2x1,1x2,2x2,1x1x2,2x1x2,2x2@2nodes,2x1x2@2nodes").split(",")]
 DEVICE = os.environ.get("LOGITSERVE_TEST_DEVICE", "cpu")
 
 
@@ -34,31 +40,33 @@ def tp_model(tmp_path_factory):
     return directory, Reference(directory)
 
 
-@pytest.fixture(scope="module", params=LAYOUTS, ids=[f"tp{t}-cp{c}" + (f"-{w}" if w else "") for t, c, w in LAYOUTS])
+@pytest.fixture(scope="module", params=LAYOUTS,
+                ids=[f"tp{t}-cp{c}" + (f"-pp{p}" if p > 1 else "") + (f"-{w}" if w else "") for t, c, p, w in LAYOUTS])
 def sharded(request, tp_model):
-    tp, cp, where = request.param
+    tp, cp, pp, where = request.param
     directory, ref = tp_model
-    args = ("--model", str(directory), "--tp", str(tp), "--cp", str(cp), "--logprob-chunk-size", "16",
-            "--device", DEVICE, "--http-port", "0")
-    server = TorchrunServer(*args, nproc=tp * cp // 2) if where == "2nodes" else CliServer(*args)
-    yield tp, cp, server, ref
+    args = ("--model", str(directory), "--tp", str(tp), "--cp", str(cp), "--pp", str(pp), "--logprob-chunk-size",
+            "16", "--pp-microbatch-tokens", "64", "--device", DEVICE, "--http-port", "0")
+    server = TorchrunServer(*args, nproc=tp * cp * pp // 2) if where == "2nodes" else CliServer(*args)
+    yield tp, cp, server, ref, pp
     assert server.stop() == 0, "".join(server.log[-20:])
 
 
 def test_every_output_equals_one_process_reference(sharded):
-    tp, cp, server, ref = sharded
+    tp, cp, server, ref, pp = sharded
     rng = np.random.default_rng(21)
     seqs = random_seqs(rng, LENGTHS, vocab=V)
     cands = [rng.integers(0, V, (len(s), 6)) for s in seqs]
     with TeacherClient(server.address) as c:
         info = c.model_info()
         r = c.forward(seqs, temperature=0.9, logprobs=True, topk=10, candidates=cands, full_logits=True,
-                      vocab_range=(15990, 16020), topk_tail=True, token_ranks=True)
+                      vocab_range=(15990, 16020), topk_tail=True, token_ranks=True, hidden_states=True)
         whole = c.full_logits(seqs[3:4], temperature=0.9)[0]
         every = c.forward(seqs[1:3], topk=V, topk_tail=True, topk_as_logprobs=True)     # k = V: no tail left
-    assert (info.tp_size, info.cp_size, info.world_size, len(info.ranks)) == (tp, cp, tp * cp, tp * cp)
-    assert sorted((x["tp_rank"], x["cp_rank"]) for x in info.ranks) == sorted(
-        (t, c) for t in range(tp) for c in range(cp))
+    world = tp * cp * pp
+    assert (info.tp_size, info.cp_size, info.pp_size, info.world_size, len(info.ranks)) == (tp, cp, pp, world, world)
+    assert sorted((x["tp_rank"], x["cp_rank"], x["pp_rank"]) for x in info.ranks) == sorted(
+        (t, c, p) for t in range(tp) for c in range(cp) for p in range(pp))
     assert info.vocab_size == V
     # packed by default; under CP every sequence is spread over the ranks, so bodies run per sequence
     assert info.batching == r.batching == ("exact" if cp > 1 else "packed")
@@ -75,13 +83,16 @@ def test_every_output_equals_one_process_reference(sharded):
         # tail: log of the mass outside the returned ids, by a sum over the rest of the full row
         outside = torch.log_softmax(z, -1).scatter(-1, torch.as_tensor(r.topk_ids[j]).long(), float("-inf"))
         _close(r.topk_tail[j], torch.logsumexp(outside, -1).numpy())
+        with torch.no_grad():          # the lm_head's input, from whichever rank holds it (the last stage under PP)
+            h = ref.model.base_model(torch.as_tensor(seq, dtype=torch.long)[None]).last_hidden_state[0]
+        _close(r.hidden_states[j], h.numpy())
     _close(whole, ref.logits(seqs[3], 0.9).numpy())
     assert all(np.isneginf(t).all() for t in every.topk_tail)
     assert all(np.array_equal(np.sort(i, -1), np.broadcast_to(np.arange(V), i.shape)) for i in every.topk_ids)
 
 
 def test_filters_and_topk_logprobs_equal_reference(sharded):
-    tp, cp, server, ref = sharded
+    tp, cp, server, ref, _ = sharded
     seqs = random_seqs(np.random.default_rng(22), LENGTHS, vocab=V)
     with TeacherClient(server.address) as c:
         filtered = c.logprobs(seqs, temperature=0.8, top_k=200, top_p=0.5)
@@ -97,7 +108,7 @@ def test_http_routes_under_tp_and_cp(sharded):
     then prompt_logprobs and ranks equal to the one-process float64 reference."""
     from test_http import post
 
-    tp, cp, server, ref = sharded
+    tp, cp, server, ref, _ = sharded
     seq = random_seqs(np.random.default_rng(22), [40], vocab=V)[0].tolist()
     for bad in ({"prompt": [5, V]}, {"prompt": [5, 9], "logprobs": "x"}, {"prompt": [5] * 2000}):
         status, out = post(server.http, "/v1/completions", bad)
@@ -128,9 +139,11 @@ def test_reward_scores_under_tp_and_cp(reward_dirs, tp, cp):
         np.testing.assert_allclose(score, want, atol=1e-5, rtol=0)
 
 
-def test_lost_rank_fails_requests_with_unavailable_and_exits_nonzero(tp_model):
+@pytest.mark.parametrize("layout", ["--tp", "--pp"])
+def test_lost_rank_fails_requests_with_unavailable_and_exits_nonzero(tp_model, layout):
+    """A lost TP rank, or a lost pipeline stage (rank 1: the last, which holds the head)."""
     directory, _ = tp_model
-    server = CliServer("--model", str(directory), "--tp", "2", "--logprob-chunk-size", "16")
+    server = CliServer("--model", str(directory), layout, "2", "--logprob-chunk-size", "16")
     ranks = psutil.Process(server.proc.pid).children()
     assert len(ranks) == 2
     follower = next(p for p in ranks if "RANK" in p.environ() and p.environ()["RANK"] == "1")
