@@ -7,7 +7,7 @@
 #   versions      python, torch + CUDA, transformers, grpcio, protobuf, logitserve, GPUs, capability probes
 #   equality      fp32 outputs on CUDA against one-process float64 transformers (tests/test_parallel_serving.py:
 #                 every output, filters, the HTTP routes), at every (tp, cp) layout the GPUs fit
-#   nccl          the same at tp 2 / cp 2 under NCCL (needs 2+ GPUs: printed as skipped, never as passed)
+#   nccl          the same at tp 2 / cp 2 / pp 2 under NCCL (needs 2+ GPUs: printed as skipped, never as passed)
 #   bf16          bf16 against fp32 on the demo model, within a stated bound (bench/gpu_check.py --against-fp32)
 #   flash         a bf16 packed batch ran varlen flash attention, not the sdpa fallback
 #   load          load time and peak GPU memory of the 1b demo shape in bf16
@@ -86,16 +86,16 @@ EOF
 NGPU=$("$PY" -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
 [ "$DRY" = 1 ] && NGPU=0
 LAYOUTS=1x1
-[ "$NGPU" -ge 2 ] && LAYOUTS=1x1,2x1,1x2
-[ "$NGPU" -ge 4 ] && LAYOUTS=1x1,2x1,1x2,2x2
+[ "$NGPU" -ge 2 ] && LAYOUTS=1x1,2x1,1x2,1x1x2
+[ "$NGPU" -ge 4 ] && LAYOUTS=1x1,2x1,1x2,2x2,1x1x2,2x1x2
 
 step equality 300 env LOGITSERVE_TEST_DEVICE="$DEVICE" LOGITSERVE_TEST_LAYOUTS=1x1 \
   "$PY" -m pytest -q -ra -p no:cacheprovider tests/test_parallel_serving.py -k "every_output or filters or http"
 if [ "$NGPU" -ge 2 ]; then
   step nccl 300 env LOGITSERVE_TEST_DEVICE=cuda LOGITSERVE_TEST_LAYOUTS="$LAYOUTS" \
-    "$PY" -m pytest -q -ra -p no:cacheprovider tests/test_parallel_serving.py -k "every_output and not tp1-cp1"
+    "$PY" -m pytest -q -ra -p no:cacheprovider tests/test_parallel_serving.py -k "every_output and not tp1-cp1-pp1"
 else
-  skip nccl "tp 2 / cp 2 under NCCL need 2 GPUs; this machine has $NGPU"
+  skip nccl "tp 2 / cp 2 / pp 2 under NCCL need 2 GPUs; this machine has $NGPU"
 fi
 
 step bf16 240 "$PY" bench/gpu_check.py --device "$DEVICE" --against-fp32

@@ -366,7 +366,9 @@ async def _serve_root(model: ModelConfig, ctx, config: ServerConfig) -> int:
     fatal = asyncio.Event()
     runner = DistributedRunner(engine, ctx, on_fatal=lambda reason: loop.call_soon_threadsafe(fatal.set))
     config = device_budget(config, ctx.device)        # rank 0's GPU stands for each rank's (equal shards)
-    estimate = memory_estimator(loaded, config, engine.shard.size, ctx.tp, ctx.cp, engine.pack_tokens)
+    # under PP rank 0 holds no head: the head's share is the last stage's, ceil(V / tp) columns
+    vocab_local = engine.shard.size if ctx.pp == 1 else -(-loaded.vocab_size // ctx.tp)
+    estimate = memory_estimator(loaded, config, vocab_local, ctx.tp, ctx.cp, engine.pack_tokens, ctx.pp)
     running = await create_server(loaded, config, layout, run_batch=runner.run_batch, idle=runner.heartbeat,
                                   estimate=estimate, batching=engine.batching, listening=listening)
     _announce(loaded, config, running)

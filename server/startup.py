@@ -40,7 +40,7 @@ def startup_barrier(ctx, timeout_s: float = STARTUP_TIMEOUT_S) -> None:
 
 
 def memory_estimator(loaded, config, vocab_local: int, tp: int = 1, cp: int = 1,
-                     pack_tokens: int = 0):
+                     pack_tokens: int = 0, pp: int = 1):
     """job -> estimated peak bytes; refuses to start when no request could ever fit the --memory-budget."""
     import numpy as np
 
@@ -52,9 +52,12 @@ def memory_estimator(loaded, config, vocab_local: int, tp: int = 1, cp: int = 1,
     dims = ModelDims.of(loaded.model.config, vocab_local, loaded.head.weight.element_size(), tp, cp)
     window = STREAM_WINDOW * config.max_message_bytes   # encoded messages a stream may hold
 
+    # --pp: a stage holds the micro-batches it has sent ahead (pp - 1 at most) and the one it received, [tokens, H]
+    stage_bytes = pp * pack_tokens * dims.hidden * max(dims.dtype_bytes, 4) if pp > 1 else 0
+
     def estimate(job: Job) -> int:   # pack_tokens: a packed body's tokens (Engine.pack_tokens), 0 in exact mode
         return estimate_peak_bytes(job, dims, config.engine.chunk_size, 0, window,   # buffers: Scheduler._hold
-                                   pack_tokens, config.engine.min_shared_prefix > 0)
+                                   pack_tokens, config.engine.min_shared_prefix > 0) + stage_bytes
 
     budget = config.scheduler.memory_budget_bytes
     smallest = estimate(Job(sequences=(np.zeros(1, np.int32),), scores=True))

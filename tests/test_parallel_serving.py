@@ -41,7 +41,7 @@ def tp_model(tmp_path_factory):
 
 
 @pytest.fixture(scope="module", params=LAYOUTS,
-                ids=[f"tp{t}-cp{c}" + (f"-pp{p}" if p > 1 else "") + (f"-{w}" if w else "") for t, c, p, w in LAYOUTS])
+                ids=[f"tp{t}-cp{c}-pp{p}" + (f"-{w}" if w else "") for t, c, p, w in LAYOUTS])
 def sharded(request, tp_model):
     tp, cp, pp, where = request.param
     directory, ref = tp_model

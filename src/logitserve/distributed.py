@@ -60,6 +60,7 @@ class DistributedRunner:
         self._on_fatal = on_fatal
         self._failed: Optional[str] = None
         self._lock = threading.Lock()
+        self.last_bubble: Optional[float] = None      # --pp: the last batch's bubble fraction
 
     @property
     def failed(self) -> Optional[str]:
@@ -102,6 +103,8 @@ class DistributedRunner:
                     # yield below finds every rank past this step's gather and before its _share_dropped.
                     others = _others_emit(jobs, step, self._ctx)
                     pieces = self._gather(list(step.pieces)) if others else list(step.pieces)
+                    if self._ctx.pp > 1:
+                        pieces = self._stage_times(pieces)
                     yield from step.errors      # (job, exception): that job alone fails, with its status
                     yield from ((j, SharedTokens(n)) for j, n in step.shared)
                     yield from pieces
@@ -114,6 +117,18 @@ class DistributedRunner:
                         self._gather(list(step.pieces))
                     self._collective(_share_dropped, dropped, self._ctx, lambda i: True)
                 raise
+
+    def _stage_times(self, pieces: list) -> list:
+        """The pieces without the stages' timings (job -1), which end a batch under PP: its bubble, logged."""
+        from .pipeline import bubble_fraction
+
+        times = [p for j, p in pieces if j == -1]
+        if times:
+            self.last_bubble = bubble_fraction(times)
+            log.info("pipeline batch: bubble %.3f (stages busy %s s of %s s)", self.last_bubble,
+                     "/".join(f"{t.busy_s:.3f}" for t in sorted(times, key=lambda t: t.stage)),
+                     "/".join(f"{t.wall_s:.3f}" for t in sorted(times, key=lambda t: t.stage)))
+        return [(j, p) for j, p in pieces if j != -1]
 
     def heartbeat(self) -> None:
         with self._lock:

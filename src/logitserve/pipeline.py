@@ -14,6 +14,8 @@ of lead x [tokens, H]). Every send and receive runs under the process group's ti
 """
 from __future__ import annotations
 
+import time
+from dataclasses import dataclass
 from typing import Iterator, Optional
 
 import torch
@@ -48,6 +50,22 @@ def split_stages(layer_sizes: list[int], first_extra: int, last_extra: int, pp: 
         bounds.append((j, i))
         i = j
     return bounds[::-1]
+
+
+@dataclass(frozen=True)
+class StageTime:
+    """Rides with a batch's last step from every rank (as job -1): seconds this stage computed, and its batch's wall
+    time from its first micro-batch to its last step. The runner turns them into the batch's bubble fraction."""
+
+    stage: int
+    busy_s: float
+    wall_s: float
+
+
+def bubble_fraction(times: list[StageTime]) -> float:
+    """The share of the stages' time spent waiting: 1 - sum(busy) / sum(wall)."""
+    wall = sum(t.wall_s for t in times)
+    return 0.0 if wall <= 0 else max(0.0, 1.0 - sum(t.busy_s for t in times) / wall)
 
 
 class ZeroEmbedding(nn.Module):
@@ -106,6 +124,8 @@ def pipeline_steps(engine, run, units: list) -> Iterator:
     lead = pp - 1 - stage
     in_flight: list = []                      # (work, tensor) of sends not yet known to have left
     done: dict[int, torch.Tensor] = {}
+    busy = [0.0]
+    t_start = time.perf_counter()
 
     def advance(i: int) -> None:
         members = list(units[i].members)
@@ -119,8 +139,10 @@ def pipeline_steps(engine, run, units: list) -> Iterator:
             incoming = torch.empty(n, engine.hidden_size, dtype=engine.act_dtype, device=engine.device)   # [N, H]
             dist.recv(incoming, src=ctx.stage_peer(-1))
             engine.stage_input.value = incoming
+        t0 = time.perf_counter()
         h = engine.packed_hidden(torch.cat(tokens), [m.length for m in members], [m.start for m in members],
                                  [m.parent for m in members])                                              # [N, H]
+        busy[0] += time.perf_counter() - t0
         if engine.stage_input is not None:
             engine.stage_input.value = None
         if last:
@@ -138,14 +160,16 @@ def pipeline_steps(engine, run, units: list) -> Iterator:
             advance(i + lead)
         jobs = tuple(dict.fromkeys(m.job for m in pack.members if m.job >= 0))
         shared = tuple(shared_by_job(list(pack.members))) if ctx.is_root else ()
-        if not last:
-            yield Step(jobs, shared=shared)
-            continue
         pieces: list = []
-        for step in engine._pack_steps(run, pack, h=done.pop(i)):
-            pieces += step.pieces
-            if engine.head_shard.emits_replicated:   # (job, exception) travel with the pieces: rank 0 has no head
-                pieces += step.errors
+        if last:
+            t0 = time.perf_counter()
+            for step in engine._pack_steps(run, pack, h=done.pop(i)):
+                pieces += step.pieces
+                if engine.head_shard.emits_replicated:   # (job, exception) travel with the pieces: rank 0 has no head
+                    pieces += step.errors
+            busy[0] += time.perf_counter() - t0
+        if i == len(units) - 1:
+            pieces.append((-1, StageTime(stage, busy[0], time.perf_counter() - t_start)))
         yield Step(jobs, tuple(pieces), shared=shared)
     for work, _ in in_flight:
         work.wait()
