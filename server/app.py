@@ -123,7 +123,8 @@ def load_rank(model: ModelConfig, ctx) -> tuple:
     # collective whose --collective-timeout it would exceed.
     hashing = ThreadPoolExecutor(1).submit(content_hash, path) if ctx.is_root else None
     loaded, shard = load_sharded(path, model.dtype, ctx.device, ctx.tp_rank, ctx.tp, ctx.tp_group,
-                                 max_seq_len=model.max_seq_len, name=name, content="", pp=ctx.pp, stage=ctx.pp_rank)
+                                 max_seq_len=model.max_seq_len, name=name, content="", pp=ctx.pp, stage=ctx.pp_rank,
+                                 balance=ctx.config.pp_balance)
     if hashing is not None:
         loaded = dataclasses.replace(loaded, content_hash=hashing.result())
     startup_barrier(ctx)

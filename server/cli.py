@@ -28,6 +28,9 @@ def _serve_parser(sub, formatter) -> None:
     p.add_argument("--cp", type=int, default=1, help="context-parallel ranks (long sequences)")
     p.add_argument("--pp", type=int, default=1, help="pipeline stages (decoder layers split by parameters; "
                                                      "teachers larger than a node: --tp inside a node, --pp across)")
+    p.add_argument("--pp-balance", choices=["compute", "memory"], default="compute",
+                   help="--pp: stages balanced by the parameters that compute per token (the embedding, a lookup, "
+                        "counts 0) or by all parameters (each rank's memory)")
     p.add_argument("--pp-microbatch-tokens", type=int, default=512,
                    help="--pp: tokens per micro-batch at most (several per batch keep every stage busy)")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
@@ -167,7 +170,7 @@ def _cmd_serve(args, argv: list[str]) -> int:
 
     try:
         parallel = ParallelConfig(tp=args.tp, cp=args.cp, collective_timeout_s=args.collective_timeout,
-                                  device=args.device, pp=args.pp)
+                                  device=args.device, pp=args.pp, pp_balance=args.pp_balance)
     except ValueError as e:
         print(f"logitserve: {e}", file=sys.stderr)
         return 2

@@ -28,10 +28,13 @@ class ParallelConfig:
     collective_timeout_s: float = 60.0   # every collective fails loudly after this
     device: str = "auto"                 # auto | cpu | cuda
     pp: int = 1                          # pipeline stages (logitserve.pipeline)
+    pp_balance: str = "compute"          # stages balanced by compute (the embedding counts 0) or memory (all params)
 
     def __post_init__(self):
         if self.tp < 1 or self.cp < 1 or self.pp < 1:
             raise ValueError(f"tp={self.tp}, cp={self.cp} and pp={self.pp} must all be >= 1")
+        if self.pp_balance not in ("compute", "memory"):
+            raise ValueError(f"pp_balance={self.pp_balance!r}: choose compute or memory")
         if self.pp > 1 and self.cp > 1:
             raise ValueError(f"--pp {self.pp} with --cp {self.cp}: not supported. CP spreads every sequence over "
                              f"its ranks and runs bodies per sequence; a pipeline needs whole micro-batches per "

@@ -69,7 +69,8 @@ def _vocab_head(ckpt: Checkpoint, key: str, vocab: int, hidden: int, dtype, devi
 
 def load_sharded(directory, dtype: str, device: torch.device, rank: int, tp: int, group,
                  max_seq_len: int | None = None, name: str | None = None,
-                 content: str | None = None, pp: int = 1, stage: int = 0) -> tuple[LoadedModel, VocabShard]:
+                 content: str | None = None, pp: int = 1, stage: int = 0,
+                 balance: str = "compute") -> tuple[LoadedModel, VocabShard]:
     """This TP rank's model: body shards with their collectives on `group`, and its lm_head vocab shard; under
     PP only its stage's layers (the embedding on the first stage, the final norm and the head on the last)."""
     from transformers import AutoConfig
@@ -97,7 +98,9 @@ def load_sharded(directory, dtype: str, device: torch.device, rank: int, tp: int
     fp32_keep = tuple(getattr(model, "_keep_in_fp32_modules", None) or ())
     embedding = model.get_input_embeddings()
     split_embedding = tp > 1 and shardable_embedding(embedding) and stage == 0
-    layers, skip = _stage_layers(model, body, prefix, kind, pp, stage) if pp > 1 else (None, lambda n, p: False)
+    layers, skip = (None, lambda n, p: False)
+    if pp > 1:
+        layers, skip = _stage_layers(model, body, prefix, kind, pp, stage, balance)
     missing = []
     for pname, p in list(model.named_parameters()):
         if (p is head_param and not tied) or (split_embedding and p is embedding.weight) or skip(pname, p):
@@ -158,8 +161,11 @@ def load_sharded(directory, dtype: str, device: torch.device, rank: int, tp: int
                                head_checkpoint=(str(path), head_key) if head_key else None), vshard
 
 
-def _stage_layers(model: nn.Module, body: nn.Module, prefix: str, kind: ModelKind, pp: int, stage: int):
-    """(this stage's layers [a, b), skip(name, param)): which parameters other stages hold."""
+def _stage_layers(model: nn.Module, body: nn.Module, prefix: str, kind: ModelKind, pp: int, stage: int,
+                  balance: str = "compute"):
+    """(this stage's layers [a, b), skip(name, param)): which parameters other stages hold. Stages balance the
+    parameters that compute per token ("compute": the embedding is a lookup and counts 0; the head counts like
+    any GEMM) or all parameters ("memory")."""
     from .pipeline import split_stages
 
     if kind is not ModelKind.CAUSAL_LM:
@@ -171,7 +177,7 @@ def _stage_layers(model: nn.Module, body: nn.Module, prefix: str, kind: ModelKin
     emb = model.get_input_embeddings().weight
     head = model.get_output_embeddings().weight
     norm = sum(p.numel() for p in body.norm.parameters()) if hasattr(body, "norm") else 0
-    bounds = split_stages(sizes, emb.numel(), norm + head.numel(), pp)
+    bounds = split_stages(sizes, emb.numel() if balance == "memory" else 0, norm + head.numel(), pp)
     a, b = bounds[stage]
     if stage == 0:
         log.info("pipeline stages (decoder layers): %s", ", ".join(f"[{x}, {y})" for x, y in bounds))
