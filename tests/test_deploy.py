@@ -76,7 +76,8 @@ def test_k8s_multinode_example_launches_a_valid_torchrun_and_serve():
     parser = argparse.ArgumentParser()
     _serve_parser(parser.add_subparsers(dest="command"), argparse.HelpFormatter)
     serve = parser.parse_args(words[split + 1:])
-    assert serve.tp * serve.cp == int(run.nproc_per_node) * size
+    assert serve.tp * serve.cp * serve.pp == int(run.nproc_per_node) * size
+    assert serve.pp == size                                      # one pipeline stage per node
     assert container["resources"]["limits"]["nvidia.com/gpu"] == int(run.nproc_per_node)
     assert serve.tp <= int(run.nproc_per_node)                  # TP stays inside a node
     grpc_port = next(p["containerPort"] for p in container["ports"] if p["name"] == "grpc")
