@@ -179,3 +179,22 @@ def _until_error(stream):
         yield from stream
     except grpc.RpcError:
         return
+
+
+def test_pp2_groups_compute_the_shared_prompt_once(tp_model):
+    """RL groups through two pipeline stages: the shared prompt is computed once (the prefix member and its
+    continuations flow as one micro-batch's rows), and the response logprobs equal float64."""
+    directory, ref = tp_model
+    rng = np.random.default_rng(25)
+    prompt = rng.integers(0, V, 200)
+    seqs = [np.concatenate([prompt, rng.integers(0, V, n)]) for n in (5, 30, 12, 60)]
+    server = CliServer("--model", str(directory), "--pp", "2", "--pp-microbatch-tokens", "128",
+                       "--logprob-chunk-size", "16", "--device", DEVICE)
+    try:
+        with TeacherClient(server.address) as c:
+            r = c.forward(seqs, logprobs=True, prompt_lengths=[200] * 4)
+    finally:
+        assert server.stop() == 0
+    assert r.shared_prefix_tokens == 3 * 199
+    for j, seq in enumerate(seqs):
+        _close(r.logprobs[j], ref_token_logprobs(ref.logits(seq), seq)[200:])
