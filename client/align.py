@@ -9,11 +9,9 @@ that follows it.
 """
 from __future__ import annotations
 
-from typing import Sequence
-
 import numpy as np
 
-from logitserve.tokens import byte_offsets, split_shared_spans
+from logitserve.tokens import token_byte_spans
 
 
 def token_byte_offsets(tokenizer, text: str, add_special_tokens: bool = False) -> tuple[np.ndarray, np.ndarray]:
@@ -21,11 +19,7 @@ def token_byte_offsets(tokenizer, text: str, add_special_tokens: bool = False) -
     (byte-level BPE tokens that split one character get consecutive parts of it, as the server's)."""
     enc = tokenizer(text, add_special_tokens=add_special_tokens, return_offsets_mapping=True)
     ids = np.asarray(enc["input_ids"], dtype=np.int64)
-    spans = byte_offsets(text, np.asarray(enc["offset_mapping"], dtype=np.int64).reshape(-1, 2))
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is not None and "ByteLevel" in repr(backend.pre_tokenizer) + repr(backend.decoder):
-        spans = split_shared_spans(spans, [len(p) for p in tokenizer.convert_ids_to_tokens(ids.tolist())])
-    return ids, spans
+    return ids, token_byte_spans(tokenizer, text, ids, enc["offset_mapping"])
 
 
 def align_by_byte_offsets(student: np.ndarray, teacher: np.ndarray) -> list[tuple[range, range]]:
@@ -58,8 +52,3 @@ def shared_vocabulary(student_vocab: dict, teacher_vocab: dict) -> tuple[np.ndar
     t_ids = np.asarray([t for t, _ in pairs], dtype=np.int64)
     s_ids = np.asarray([s for _, s in pairs], dtype=np.int64)
     return t_ids, s_ids
-
-
-def group_ranges(pairs: Sequence[tuple[range, range]]) -> tuple[list[range], list[range]]:
-    """The pairs' student groups and teacher groups as two lists."""
-    return [a for a, _ in pairs], [b for _, b in pairs]

@@ -16,8 +16,9 @@ import numpy as np
 from logitserve.v1 import logitserve_pb2 as pb
 
 from .errors import LogitServeError
+from .wire import DTYPES
 
-_NAMES = {pb.FLOAT32: "fp32", pb.BFLOAT16: "bf16", pb.FLOAT16: "fp16"}
+_NAMES = {v: k for k, v in DTYPES.items()}                 # pb dtype -> "fp32" | "bf16" | "fp16"
 # bytes as stored: bf16 stays its raw 16 bits (numpy has no bfloat16)
 _STORED = {"fp32": np.dtype("<f4"), "bf16": np.dtype("<u2"), "fp16": np.dtype("<f2")}
 
@@ -55,9 +56,11 @@ def spec_of(info: pb.HeadInfo) -> HeadSpec:
 
 
 def default_cache() -> Path:
-    """$LOGITSERVE_CACHE/heads, else ~/.cache/logitserve/heads."""
-    root = os.environ.get("LOGITSERVE_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "logitserve")
-    return Path(root) / "heads"
+    """heads/ under logitserve's cache (demo.cache_root: $LOGITSERVE_CACHE, else .../logitserve in $XDG_CACHE_HOME
+    or ~/.cache)."""
+    from logitserve.demo import cache_root
+
+    return cache_root() / "heads"
 
 
 def _lost(message: str) -> LogitServeError:

@@ -14,12 +14,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from logitserve.loading import HeadTransform
+from logitserve.loading import DTYPES as _TORCH, HeadTransform   # "fp32" | "bf16" | "fp16" -> torch dtype
 
 from .head import HeadSpec, HeadWeights
-
-_TORCH = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
 
 def _tensor(array: np.ndarray, dtype: str) -> torch.Tensor:
     t = torch.from_numpy(np.ascontiguousarray(array))

@@ -80,8 +80,9 @@ class LogitServeServicer(pb_grpc.LogitServeServicer):
                 raise OverLimit(f"Head: {MAX_HEAD_DOWNLOADS} head downloads are in flight, the server's limit; "
                                 f"retry when one ends")
         except Exception as e:   # noqa: BLE001 (its status, in one place)
-            context.set_code(to_status(e)[0])
-            context.set_details(to_status(e)[1])
+            code, message = to_status(e)
+            context.set_code(code)
+            context.set_details(message)
             return
         async with self._head_slots:
             digest = await asyncio.to_thread(head.head_hash)        # once per server; reads the whole head

@@ -8,7 +8,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from .tokens import byte_offsets, split_shared_spans, tokenizer_hash
+from .tokens import token_byte_spans, tokenizer_hash
 
 from .errors import InvalidRequest, NotSupported
 
@@ -34,18 +34,8 @@ class TextEncoder:
                 raise InvalidRequest(f"texts[{i}]", "tokenizes to no ids; a text must give at least one token")
         if not offsets:
             return out
-        spans = tuple(byte_offsets(t, np.asarray(o, dtype=np.int64).reshape(-1, 2))
-                      for t, o in zip(texts, enc["offset_mapping"]))
-        if self.byte_level:      # one character's bytes over several tokens: each its own part of the span
-            spans = tuple(split_shared_spans(sp, [len(p) for p in self.tokenizer.convert_ids_to_tokens(x.tolist())])
-                          for sp, x in zip(spans, out))
-        return out, spans
-
-    @property
-    def byte_level(self) -> bool:
-        """A byte-level BPE (GPT-2, Llama 3, Qwen): each character of a token's piece stands for one byte."""
-        backend = getattr(self.tokenizer, "backend_tokenizer", None)
-        return backend is not None and "ByteLevel" in repr(backend.pre_tokenizer) + repr(backend.decoder)
+        return out, tuple(token_byte_spans(self.tokenizer, t, x, o)
+                          for t, x, o in zip(texts, out, enc["offset_mapping"]))
 
 
 MAX_DETOKENIZE = 1 << 16

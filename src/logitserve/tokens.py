@@ -49,3 +49,14 @@ def split_shared_spans(spans: np.ndarray, piece_bytes: list[int]) -> np.ndarray:
                 at += piece_bytes[k]
         i = j
     return out
+
+
+def token_byte_spans(tokenizer, text: str, ids, char_offsets) -> np.ndarray:
+    """A transformers fast tokenizer's character offsets [L, 2] of `text` as UTF-8 byte spans, int32 [L, 2]; for a
+    byte-level BPE (GPT-2, Llama 3, Qwen: each character of a piece stands for one byte) the tokens holding parts
+    of one multi-byte character get consecutive parts of its span (split_shared_spans)."""
+    spans = byte_offsets(text, np.asarray(char_offsets, dtype=np.int64).reshape(-1, 2))
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None and "ByteLevel" in repr(backend.pre_tokenizer) + repr(backend.decoder):
+        spans = split_shared_spans(spans, [len(p) for p in tokenizer.convert_ids_to_tokens([int(x) for x in ids])])
+    return spans
