@@ -217,6 +217,16 @@ class Engine:
     def _ids(self, seq) -> torch.Tensor:
         return torch.from_numpy(seq.astype("int64", copy=False)).to(self.device)                 # [L]
 
+    def _body_tokens(self, jobs: list[Job], body: list) -> tuple[dict, list[torch.Tensor]]:
+        """(each member's ids by (job, sequence), each body member's token run) of a pack's members; a shared
+        prefix's tokens are the start of the sequence that continues it."""
+        ids = {(m.job, m.sequence): self._ids(jobs[m.job].sequences[m.sequence]) for m in body if m.job >= 0}
+        tokens = []
+        for k, m in enumerate(body):
+            src = m if m.job >= 0 else next(x for x in body[k + 1:] if x.parent == k)
+            tokens.append(ids[(src.job, src.sequence)][m.start : m.start + m.length])
+        return ids, tokens
+
     def _cands(self, job: Job, sequences) -> dict[int, torch.Tensor]:
         """Candidate ids of these sequences of the job: sequence -> [L, c] (empty when the job asks for none)."""
         if job.candidates is None:
@@ -278,11 +288,7 @@ class Engine:
         members = [m for m in body if m.job >= 0]
         if not members:
             return
-        ids = {(m.job, m.sequence): self._ids(jobs[m.job].sequences[m.sequence]) for m in members}
-        tokens = []
-        for k, m in enumerate(body):          # a prefix's tokens: the start of the sequence that follows it
-            src = m if m.job >= 0 else next(x for x in body[k + 1:] if x.parent == k)
-            tokens.append(ids[(src.job, src.sequence)][m.start : m.start + m.length])
+        ids, tokens = self._body_tokens(jobs, body)
         try:
             if h is None:
                 h = self.packed_hidden(torch.cat(tokens), [m.length for m in body], [m.start for m in body],

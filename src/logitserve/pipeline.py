@@ -129,11 +129,7 @@ def pipeline_steps(engine, run, units: list) -> Iterator:
 
     def advance(i: int) -> None:
         members = list(units[i].members)
-        ids = {(m.job, m.sequence): engine._ids(run.jobs[m.job].sequences[m.sequence]) for m in members if m.job >= 0}
-        tokens = []
-        for k, m in enumerate(members):       # a shared prefix's tokens: the start of the sequence that follows it
-            src = m if m.job >= 0 else next(x for x in members[k + 1:] if x.parent == k)
-            tokens.append(ids[(src.job, src.sequence)][m.start : m.start + m.length])
+        _, tokens = engine._body_tokens(run.jobs, members)
         n = sum(m.length for m in members)
         if stage > 0:
             incoming = torch.empty(n, engine.hidden_size, dtype=engine.act_dtype, device=engine.device)   # [N, H]
