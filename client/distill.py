@@ -131,13 +131,21 @@ def divergence(s: torch.Tensor, t: torch.Tensor, kind: str, beta: float = 0.5) -
     """Per-row divergence of log-probs s (student) and t (teacher), [n, V] -> [n]: forward KL(t || s), reverse
     KL(s || t), or TRL GKD's generalized JSD: beta KL(t || m) + (1 - beta) KL(s || m), m = beta t + (1 - beta) s
     (beta 0: forward KL, 1: reverse KL, as TRL's generalized_jsd_loss)."""
-    if kind == "forward" or (kind == "jsd" and beta == 0.0):
+    kind = _plain_kind(kind, beta)
+    if kind == "forward":
         return _plogp_minus(t, s).sum(-1)
-    if kind == "reverse" or (kind == "jsd" and beta == 1.0):
+    if kind == "reverse":
         return _plogp_minus(s, t).sum(-1)
     b = torch.tensor(beta, dtype=s.dtype, device=s.device)
     m = torch.logsumexp(torch.stack([s + torch.log1p(-b), t + torch.log(b)]), dim=0)     # [n, V]
     return beta * _plogp_minus(t, m).sum(-1) + (1.0 - beta) * _plogp_minus(s, m).sum(-1)
+
+
+def _plain_kind(kind: str, beta: float) -> str:
+    """The generalized JSD at beta 0 is forward KL and at beta 1 reverse KL (TRL computes them so)."""
+    if kind == "jsd" and beta in (0.0, 1.0):
+        return "forward" if beta == 0.0 else "reverse"
+    return kind
 
 
 def kl_from_logits(za: torch.Tensor, zb: torch.Tensor) -> torch.Tensor:
@@ -184,9 +192,10 @@ def full_kd_loss(student_logits: torch.Tensor, teacher: torch.Tensor, *, head=No
         z = head(t_rows, temperature=temperature) if head is not None else t_rows.to(dtype) / temperature
         zt = z[:, :V].to(device=s_rows.device, dtype=dtype)                                 # [c, V]
         zs = s_rows[:, :V].to(dtype) / temperature
-        if kind == "forward" or (kind == "jsd" and beta == 0.0):
+        plain = _plain_kind(kind, beta)
+        if plain == "forward":
             return kl_from_logits(zt, zs)
-        if kind == "reverse" or (kind == "jsd" and beta == 1.0):
+        if plain == "reverse":
             return kl_from_logits(zs, zt)
         return divergence(torch.log_softmax(zs, -1), torch.log_softmax(zt, -1), kind, beta)
 
