@@ -13,13 +13,14 @@ reads bytes (vocabulary 256 + BOS), the teacher words ("t17"): no token is share
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
+
+from curve import save_curve   # examples/curve.py, beside this script
 
 BOS = 256
 
@@ -95,23 +96,8 @@ def main() -> int:
     took = time.perf_counter() - t0
     first, last = np.mean(losses[:10]), np.mean(losses[-10:])
     print(f"{len(losses)} steps in {took:.1f} s; ULD {first:.4f} -> {last:.4f} (first / last 10 steps)")
-    if args.losses:
-        args.losses.write_text(json.dumps(losses))
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 3.2), dpi=110)
-    ax.plot(losses, lw=0.8, color="#999", label="per step")
-    w = max(1, len(losses) // 30)
-    ax.plot(np.arange(w - 1, len(losses)), np.convolve(losses, np.ones(w) / w, "valid"), color="#36c",
-            label=f"mean of {w}")
-    ax.set(xlabel="step", ylabel=f"ULD distance ({args.merge} spans)",
-           title=f"byte-level student from {info.name} (word-level)")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(args.plot)
-    print(f"wrote {args.plot}")
+    save_curve(losses, args.plot, f"ULD distance ({args.merge} spans)",
+               f"byte-level student from {info.name} (word-level)", "#36c", args.losses)
     return 0 if last < first else 1
 
 

@@ -9,13 +9,14 @@ each batch's top-k comes over gRPC through PrefetchingTeacher, two batches ahead
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
+
+from curve import save_curve   # examples/curve.py, beside this script
 
 
 def student_model(vocab: int) -> torch.nn.Module:
@@ -72,23 +73,8 @@ def main() -> int:
     took = time.perf_counter() - t0
     head, tail = np.mean(losses[:10]), np.mean(losses[-10:])
     print(f"{len(losses)} steps in {took:.1f} s; forward KL {head:.4f} -> {tail:.4f} (first / last 10 steps)")
-    if args.losses:
-        args.losses.write_text(json.dumps(losses))
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 3.2), dpi=110)
-    ax.plot(losses, lw=0.8, color="#999", label="per step")
-    w = max(1, len(losses) // 30)
-    ax.plot(np.arange(w - 1, len(losses)), np.convolve(losses, np.ones(w) / w, "valid"), color="#c33",
-            label=f"mean of {w}")
-    ax.set(xlabel="step", ylabel=f"forward KL (top-{args.topk}, {args.tail})",
-           title=f"student distilled from {info.name}")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(args.plot)
-    print(f"wrote {args.plot}")
+    save_curve(losses, args.plot, f"forward KL (top-{args.topk}, {args.tail})", f"student distilled from {info.name}",
+               "#c33", args.losses)
     return 0 if tail < head else 1
 
 
