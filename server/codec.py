@@ -11,6 +11,7 @@ import torch
 from google.protobuf.message import DecodeError
 
 from logitserve.engine import Piece
+from logitserve.head_export import tensor_bytes
 from logitserve.errors import InvalidRequest
 from logitserve.spec import HiddenOpts, Job, LogprobsOpts, OutputKind, SliceOpts, TopKOpts, WireDType
 from logitserve.v1 import logitserve_pb2 as pb
@@ -23,8 +24,6 @@ _WIRE_OF_PB = {pb.DTYPE_UNSPECIFIED: WireDType.FP32, pb.FLOAT32: WireDType.FP32,
                pb.BFLOAT16: WireDType.BF16, pb.FLOAT16: WireDType.FP16}
 _PB_OF_TORCH = {torch.float32: pb.FLOAT32, torch.bfloat16: pb.BFLOAT16, torch.float16: pb.FLOAT16,
                 torch.int32: pb.INT32}
-# numpy has no bfloat16: its bytes travel through a 2-byte integer view.
-_BYTES_VIEW = {torch.bfloat16: torch.int16}
 
 
 def _wire_dtype(field: str, value: int) -> WireDType:
@@ -138,8 +137,8 @@ def input_id_pieces(ids: Optional[tuple], offsets: Optional[tuple] = None) -> li
 
 
 def _tensor_bytes(t: torch.Tensor) -> bytes:
-    t = t.contiguous()
-    return t.view(_BYTES_VIEW.get(t.dtype, t.dtype)).numpy().tobytes()
+    """Raw little-endian bytes, as the Head RPC's hash reads them (head_export.tensor_bytes)."""
+    return tensor_bytes(t.contiguous()).tobytes()
 
 
 def encode_piece(request_id: str, piece: Piece, max_message_bytes: int) -> Iterator[pb.ForwardResponse]:
