@@ -34,6 +34,7 @@ from .startup import device_budget, memory_estimator, startup_barrier  # noqa: F
 from .kserve import KServeServicer
 from .gate import SERVICE_NAME, Gate, Listening, PortInUse, check_port_free, open_port  # noqa: F401 (re-exported)
 from .admission import ClientLimits
+from .http_conn import HttpLimits
 from .metrics import Metrics
 from .security import SecurityConfig
 from .requests import Pipeline, StreamLimits
@@ -78,6 +79,7 @@ class ServerConfig:
     max_connection_idle_s: float = 3600.0   # a connection with no RPC for this long is closed (GOAWAY)
     http_port: Optional[int] = None     # vLLM / SGLang / TRL HTTP routes on this port (0: a free one); None: off
     served_model_names: tuple[str, ...] = ()   # the model's HTTP names (first: its id); empty: the model's name
+    http: HttpLimits = field(default_factory=HttpLimits)   # the HTTP port's connection bounds (server/http_conn.py)
 
     def __post_init__(self):
         if self.max_message_bytes < 64 << 10:
@@ -208,7 +210,8 @@ async def create_server(loaded: LoadedModel, config: ServerConfig, layout: Optio
     info = codec.encode_model_info(loaded, layout, config.max_message_bytes, logitserve.__version__, batching,
                                    config.engine.min_shared_prefix)
     gate = listening.gate
-    pipeline = Pipeline(scheduler, loaded.limits, loaded.text, metrics, config.limits, config.clients)
+    pipeline = Pipeline(scheduler, loaded.limits, loaded.text, metrics, config.limits, config.clients,
+                        by_token=listening.auth is not None)
     head = HeadSource(loaded) if loaded.kind is ModelKind.CAUSAL_LM else None
     add_native(LogitServeServicer(pipeline, info, config.max_message_bytes, head), gate)
     kpb_grpc.add_GRPCInferenceServiceServicer_to_server(
@@ -232,7 +235,7 @@ async def _serve_http(loaded: LoadedModel, config: ServerConfig, pipeline: Pipel
 
     ctx = Ctx(pipeline, loaded, config.served_model_names or (loaded.name,), logitserve.__version__,
               config.limits.max_response_bytes, TokenTexts(loaded.text))
-    front = HttpFrontEnd(ctx, config.max_request_bytes, auth)
+    front = HttpFrontEnd(ctx, config.max_request_bytes, auth, config.http)
     await front.start(bind(config.host, config.http_port), config.security)
     await asyncio.to_thread(ctx.tables.tables)    # each vocab id's JSON pieces, once (~0.3 s per 32k ids)
     return front
@@ -267,8 +270,22 @@ def _announce(loaded: LoadedModel, config: ServerConfig, running: Running) -> No
     if running.http_port is not None:
         scheme = "https" if config.security.tls_cert else "http"
         log.info("HTTP (vLLM, SGLang, TRL routes) on %s://%s:%d", scheme, config.host, running.http_port)
+    log.info("limits in effect: %s", _limits_line(config, running))
     http = f" (HTTP on port {running.http_port})" if running.http_port is not None else ""
     print(f"logitserve: serving {loaded.name} on {config.host}:{running.port}{http}", flush=True)
+
+
+def _limits_line(config: ServerConfig, running: Running) -> str:
+    """Every server-wide limit with its per-client share, as they are enforced (derived ones included)."""
+    c, sc = running.pipeline.clients.limits, config.scheduler
+    mib = (lambda b: "off" if b is None else f"{b / 2**20:.0f} MiB")
+    parts = [f"--max-in-flight {c.max_in_flight_total} (per client {c.max_in_flight})",
+             f"--max-streams {config.limits.max_streams} (per client {c.max_streams})",
+             f"--max-queued-tokens {sc.max_queued_tokens} (per client {sc.client_queued_tokens})",
+             f"--memory-budget {mib(sc.memory_budget_bytes)} (per client {mib(sc.client_budget_bytes)})"]
+    if running.http is not None:
+        parts.append(running.http.limits_line())
+    return "; ".join(parts)
 
 
 def _announce_loading(config: ServerConfig, listening: Listening) -> None:

@@ -62,10 +62,14 @@ def _serve_parser(sub, formatter) -> None:
                    help="bytes of one request's outputs, checked before it runs")
     p.add_argument("--max-queued-tokens-per-client", type=int, default=None, metavar="N",
                    help="one client's share of --max-queued-tokens (none given: half of it)")
-    p.add_argument("--max-streams-per-client", type=int, default=128, metavar="N",
-                   help="Forward streams one client (bearer token, or peer host without auth) holds open")
-    p.add_argument("--max-in-flight-per-client", type=int, default=1024, metavar="N",
-                   help="requests in flight for one client, all streams and KServe together")
+    p.add_argument("--max-streams-per-client", type=int, default=None, metavar="N",
+                   help="Forward streams one client (its bearer token with --auth-token-file, else its peer host) "
+                        "holds open (none given: half of --max-streams; never above it)")
+    p.add_argument("--max-in-flight", type=int, default=2048, metavar="N",
+                   help="requests in flight server-wide, every front-end (gRPC, KServe, HTTP) together")
+    p.add_argument("--max-in-flight-per-client", type=int, default=None, metavar="N",
+                   help="requests in flight for one client, every front-end together (none given: half of "
+                        "--max-in-flight; never above it)")
     p.add_argument("--stream-idle-s", type=float, default=300.0, metavar="S",
                    help="close a Forward stream with no request in flight for this long")
     p.add_argument("--no-overlap", action="store_true", help="send each piece before computing the next (for measuring)")
@@ -78,6 +82,19 @@ def _serve_parser(sub, formatter) -> None:
     p.add_argument("--metrics-port", type=int, default=None, help="Prometheus /metrics over HTTP on this port")
     p.add_argument("--http-port", type=int, default=None, metavar="P",
                    help="also serve vLLM's, SGLang's and TRL's HTTP routes on this port (same host, TLS and tokens)")
+    p.add_argument("--http-max-connections", type=int, default=1024, metavar="N",
+                   help="open HTTP connections, server-wide; one over is answered 503 and closed at once")
+    p.add_argument("--http-max-connections-per-client", type=int, default=None, metavar="N",
+                   help="open HTTP connections of one peer host (none given: half of --http-max-connections)")
+    p.add_argument("--http-header-timeout-s", type=float, default=10.0, metavar="S",
+                   help="a request's line and headers must arrive within this (from the connection or last answer)")
+    p.add_argument("--http-body-timeout-s", type=float, default=30.0, metavar="S",
+                   help="a request's body must arrive within this of its headers")
+    p.add_argument("--http-keepalive-s", type=float, default=5.0, metavar="S",
+                   help="an idle kept-alive HTTP connection is closed after this")
+    p.add_argument("--http-send-timeout-s", type=float, default=30.0, metavar="S",
+                   help="a client that takes none of its answer's bytes for this long loses its request and "
+                        "connection (its bytes leave the memory budget)")
     p.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                    help="the model's name on HTTP (the first; the others are aliases); default: the model's own")
     p.add_argument("--metrics-host", default="127.0.0.1",
@@ -165,6 +182,7 @@ def _cmd_serve(args, argv: list[str]) -> int:
     from .scheduler import SchedulerConfig
     from .security import SecurityConfig
     from .admission import ClientLimits
+    from .http_conn import HttpLimits
     from .requests import StreamLimits
     from .launch import spawn_local, under_torchrun
 
@@ -221,14 +239,17 @@ def _cmd_serve(args, argv: list[str]) -> int:
                                               pp_microbatch_tokens=args.pp_microbatch_tokens), scheduler=scheduler,
                           security=SecurityConfig(args.tls_cert, args.tls_key, args.tls_client_ca,
                                                   args.auth_token_file), metrics_port=args.metrics_port,
-                          http_port=args.http_port, served_model_names=tuple(args.served_model_name or ()),
+                          http_port=args.http_port, http=HttpLimits(
+                              args.http_max_connections, args.http_max_connections_per_client,
+                              args.http_header_timeout_s, args.http_body_timeout_s, args.http_keepalive_s,
+                              send_timeout_s=args.http_send_timeout_s), served_model_names=tuple(args.served_model_name or ()),
                           metrics_host=args.metrics_host,
                           grace_s=args.grace_s, keepalive_s=args.keepalive_s,
                           limits=StreamLimits(args.max_sequences_per_request, args.max_request_tokens,
                                               args.max_streams, args.max_in_flight_per_stream, args.max_text_bytes,
                                               args.max_response_bytes),
                           clients=ClientLimits(args.max_streams_per_client, args.max_in_flight_per_client,
-                                               args.stream_idle_s))
+                                               args.stream_idle_s, args.max_in_flight))
     if under_torchrun():
         code = serve_rank(model, config, parallel)
         # The rank is done and its process groups destroyed; the interpreter's own teardown can still

@@ -25,8 +25,8 @@ from starlette.routing import Route
 from logitserve.errors import InvalidRequest, OverLimit
 
 from . import openai_api, sglang_api, trl_api
-from .admission import client_key
 from .http_common import Ctx, Failed, json_object
+from .http_conn import AcceptErrorFilter, Connections, HttpLimits, guarded_protocol
 from .status import to_http, to_status
 
 log = logging.getLogger("logitserve.http")
@@ -44,8 +44,9 @@ def error_response(code: grpc.StatusCode, message: str, param: Optional[str] = N
 class HttpFrontEnd:
     """The routes, their auth and body limits, and the uvicorn server that serves them on one socket."""
 
-    def __init__(self, ctx: Ctx, max_request_bytes: int, auth=None):
+    def __init__(self, ctx: Ctx, max_request_bytes: int, auth=None, limits: HttpLimits = HttpLimits()):
         self.ctx = ctx
+        self.connections = Connections(limits)
         self._max_request_bytes = max_request_bytes
         self._auth = auth                   # security.TokenAuth, or None
         self._server: Optional[uvicorn.Server] = None
@@ -91,8 +92,8 @@ class HttpFrontEnd:
                 return refused
             try:
                 body = json_object(await self._body(request))
-                client = client_key(request.headers.get("authorization", ""),
-                                    request.client.host if request.client else "")
+                client = self.ctx.pipeline.clients.of_http(request.headers.get("authorization", ""),
+                                                           request.client.host if request.client else "")
                 return _json(await handler(self.ctx, body, client))
             except Failed as f:
                 o = f.outcome
@@ -130,7 +131,9 @@ class HttpFrontEnd:
     async def start(self, sock: socket.socket, tls=None) -> None:
         """Serve on an open, bound socket (security.SecurityConfig for TLS / mTLS, or None)."""
         config = uvicorn.Config(self.app, log_level="warning", lifespan="off", access_log=False,
-                                timeout_graceful_shutdown=1, **_tls_options(tls))
+                                timeout_graceful_shutdown=1, http=guarded_protocol(self.connections),
+                                timeout_keep_alive=self.connections.limits.keepalive_s, **_tls_options(tls))
+        _filter_accept_errors()
         self._server = _Server(config)
         self.port = sock.getsockname()[1]
         import asyncio
@@ -141,11 +144,21 @@ class HttpFrontEnd:
         if self._task.done():
             self._task.result()
 
+    def limits_line(self) -> str:
+        return self.connections.limits.describe()
+
     async def stop(self) -> None:
         if self._server is not None:
             self._server.should_exit = True
             with contextlib.suppress(Exception):
                 await self._task
+
+
+def _filter_accept_errors() -> None:
+    """asyncio's accept() errors (out of file descriptors) at most once per interval, on the loop's logger."""
+    logger = logging.getLogger("asyncio")
+    if not any(isinstance(f, AcceptErrorFilter) for f in logger.filters):
+        logger.addFilter(AcceptErrorFilter())
 
 
 async def _sync(value):

@@ -29,7 +29,6 @@ from logitserve.kserve import grpc_predict_v2_pb2_grpc as kpb_grpc
 from logitserve.spec import Job, LogprobsOpts, ModelKind, OutputKind, SliceOpts, TopKOpts, WireDType
 
 from . import codec
-from .admission import client_of
 from .params import Param, ParamTable
 from .requests import Decoded, Pipeline
 
@@ -367,13 +366,13 @@ class KServeServicer(kpb_grpc.GRPCInferenceServiceServicer):
         return resp
 
     async def ModelInfer(self, request, context):
-        resp, failure = await self._infer(request, client_of(context))
+        resp, failure = await self._infer(request, self._pipeline.clients.of_grpc(context))
         if failure is not None:
             await context.abort(*failure)
         return resp
 
     async def ModelStreamInfer(self, request_iterator, context):
-        client = client_of(context)
+        client = self._pipeline.clients.of_grpc(context)
         async for request in request_iterator:
             resp, failure = await self._infer(request, client)
             yield kpb.ModelStreamInferResponse(infer_response=resp) if failure is None else \

@@ -83,13 +83,14 @@ class Pipeline:
     """Admission, validation, scheduling and status for every front-end of one server."""
 
     def __init__(self, scheduler: Scheduler, limits, text=None, metrics=None,
-                 stream_limits: StreamLimits = StreamLimits(), client_limits: ClientLimits = ClientLimits()):
+                 stream_limits: StreamLimits = StreamLimits(), client_limits: ClientLimits = ClientLimits(),
+                 by_token: bool = False):
         self.scheduler = scheduler
         self.limits = limits               # the model's ModelLimits
         self.text = text                   # tokenizing.TextEncoder, or None: texts are refused
         self.metrics = metrics             # metrics.Metrics, or None
         self.stream_limits = stream_limits
-        self.clients = Clients(client_limits)
+        self.clients = Clients(client_limits.resolved(stream_limits.max_streams), by_token)   # by_token: --auth-token-file
         self._requests: set[asyncio.Task] = set()   # every front-end's requests in flight
         self._on_drain: list[Callable[[], None]] = []
         self._draining = False

@@ -12,7 +12,6 @@ from logitserve.v1 import logitserve_pb2 as pb
 from logitserve.v1 import logitserve_pb2_grpc as pb_grpc
 
 from . import codec
-from .admission import client_of
 from .metrics import account
 from .requests import Decoded, Pipeline
 from .status import to_status
@@ -104,7 +103,7 @@ class LogitServeServicer(pb_grpc.LogitServeServicer):
             yield pb.HeadResponse(num_chunks=n)
 
     async def Forward(self, request_iterator, context):
-        client = client_of(context)
+        client = self._pipeline.clients.of_grpc(context)
         refusal = self._pipeline.stream_refusal(len(self._streams), client)
         if refusal is not None:       # a generator RPC ends with a status this way (abort() here gives INTERNAL)
             context.set_code(refusal[0])

@@ -12,6 +12,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from conftest import CliServer, serve_dir
 from logitserve.client import LogitServeError, TeacherClient, Wanted
+from logitserve.server.admission import ClientLimits
 from logitserve.server.requests import StreamLimits
 
 
@@ -44,7 +45,8 @@ def test_sigterm_lets_the_request_in_flight_finish_and_refuses_new_ones():
 
 def test_request_and_stream_limits_name_the_flag(model_dirs):
     server = serve_dir(model_dirs["llama"], limits=StreamLimits(max_sequences=3, max_request_tokens=40,
-                                                                  max_streams=2, max_in_flight=2))
+                                                                  max_streams=2, max_in_flight=2),
+                       clients=ClientLimits(max_streams=2))    # one host here: the server-wide bound, not its share
     try:
         with TeacherClient(server.address) as c:
             for seqs, flag in (([[1, 2]] * 4, "--max-sequences-per-request 3"), ([list(range(1, 30))] * 2,
