@@ -8,6 +8,7 @@ code}}). JSON is encoded by orjson. Health routes need no token, as gRPC health.
 """
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import socket
@@ -25,11 +26,16 @@ from starlette.routing import Route
 from logitserve.errors import InvalidRequest, OverLimit
 
 from . import openai_api, sglang_api, trl_api
+from . import http_answer as answer
+from .http_answer import AnswerHold
 from .http_common import Ctx, Failed, json_object
 from .http_conn import AcceptErrorFilter, Connections, HttpLimits, guarded_protocol
 from .status import to_http, to_status
 
 log = logging.getLogger("logitserve.http")
+# Connections the kernel queues for accept(), and so the most asyncio accepts in one turn of the loop before any
+# is refused: a flood costs at most this many file descriptors beyond --http-max-connections at a time.
+ACCEPT_BACKLOG = 256
 
 
 def _json(content, status: int = 200, headers: Optional[dict] = None) -> Response:
@@ -90,15 +96,26 @@ class HttpFrontEnd:
             refused = self._refused(request)
             if refused is not None:
                 return refused
+            client = self.ctx.pipeline.clients.of_http(request.headers.get("authorization", ""),
+                                                       request.client.host if request.client else "")
+            hold = AnswerHold(self.ctx.pipeline.scheduler, client)
+            answer.begin(hold)              # the answer's bytes are held from its decoding until sent
             try:
                 body = json_object(await self._body(request))
-                client = self.ctx.pipeline.clients.of_http(request.headers.get("authorization", ""),
-                                                           request.client.host if request.client else "")
-                return _json(await handler(self.ctx, body, client))
+                result = await handler(self.ctx, body, client)
+                if isinstance(result, answer.Deferred):
+                    content = await answer.off_loop(result.build)        # never on the shared event loop
+                    return ChunkedJson(content, hold, result.status)      # releases the hold once sent
+                hold.release()
+                return _json(result)
             except Failed as f:
+                hold.release()
                 o = f.outcome
                 return error_response(o.status, o.message, o.field)
-            except Exception as e:     # noqa: BLE001 (before or outside the pipeline: its status, in one place)
+            except BaseException as e:     # noqa: BLE001 (before or outside the pipeline: its status, in one place)
+                hold.release()
+                if not isinstance(e, Exception):
+                    raise
                 code, message = to_status(e)
                 return error_response(code, message, getattr(e, "field", None))
         return post
@@ -132,12 +149,11 @@ class HttpFrontEnd:
         """Serve on an open, bound socket (security.SecurityConfig for TLS / mTLS, or None)."""
         config = uvicorn.Config(self.app, log_level="warning", lifespan="off", access_log=False,
                                 timeout_graceful_shutdown=1, http=guarded_protocol(self.connections),
-                                timeout_keep_alive=self.connections.limits.keepalive_s, **_tls_options(tls))
+                                timeout_keep_alive=self.connections.limits.keepalive_s, backlog=ACCEPT_BACKLOG,
+                                **_tls_options(tls))
         _filter_accept_errors()
         self._server = _Server(config)
         self.port = sock.getsockname()[1]
-        import asyncio
-
         self._task = asyncio.create_task(self._server.serve(sockets=[sock]))
         while not self._server.started and not self._task.done():
             await asyncio.sleep(0.01)
@@ -159,6 +175,40 @@ def _filter_accept_errors() -> None:
     logger = logging.getLogger("asyncio")
     if not any(isinstance(f, AcceptErrorFilter) for f in logger.filters):
         logger.addFilter(AcceptErrorFilter())
+
+
+class ChunkedJson(Response):
+    """A JSON answer sent a slice at a time as it is encoded on a worker thread; its hold is released when the
+    last byte is written or the client is gone (a stalled reader: server/http_conn.py aborts it)."""
+
+    def __init__(self, content, hold: AnswerHold, status: int = 200):
+        self._content, self._hold, self.status_code = content, hold, status
+        self.background = None
+
+    async def __call__(self, scope, receive, send) -> None:
+        gone = asyncio.Event()
+        listener = asyncio.create_task(_until_disconnected(receive, gone))
+        try:
+            await send({"type": "http.response.start", "status": self.status_code,
+                        "headers": [(b"content-type", b"application/json")]})
+            it = answer.pieces(self._content)
+            self._content = None
+            while not gone.is_set() and (chunk := await answer.next_piece(it)) is not None:
+                await send({"type": "http.response.body", "body": bytes(chunk), "more_body": True})
+            if not gone.is_set():
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except OSError:         # the client went away (or was cut for not reading): nothing left to send to
+            pass
+        finally:
+            listener.cancel()
+            self._hold.release()
+
+
+async def _until_disconnected(receive, gone: asyncio.Event) -> None:
+    """Sets `gone` when the client disconnects (or is cut for not reading: server/http_conn.py)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+    gone.set()
 
 
 async def _sync(value):
@@ -192,6 +242,6 @@ def bind(host: str, port: int) -> socket.socket:
     except OSError as e:
         sock.close()
         raise OSError(f"--http-port {port}: cannot listen on {host}:{port} ({e.strerror or e})") from None
-    sock.listen(1024)
+    sock.listen(ACCEPT_BACKLOG)
     sock.setblocking(False)
     return sock

@@ -16,12 +16,9 @@ import orjson
 from logitserve.errors import InvalidRequest, NotFound, OverLimit
 from logitserve.spec import Job, OutputKind
 
+from .http_answer import check_json_entries, hold_for_answer
 from .params import ParamTable
 from .requests import Decoded, Outcome, Pipeline
-
-# Bytes one JSON logprob entry takes at most, about: `"12345":{"logprob":-12.345678901234567,"rank":12345,
-# "decoded_token":"..."}` with a token text of up to ~20 bytes. Checked against --max-response-bytes.
-JSON_ENTRY_BYTES = 96
 
 
 class Failed(Exception):
@@ -154,14 +151,10 @@ class Ctx:
             raise InvalidRequest(where, f"a string is needed, got {type(name).__name__}")
         raise NotFound(where, f"the model `{name[:128]}` does not exist; this server holds {self.model_id!r}")
 
-    def check_json_size(self, entries: int, where: str) -> None:
-        """Refuse (RESOURCE_EXHAUSTED) a JSON answer of `entries` logprob entries over --max-response-bytes."""
-        size = entries * JSON_ENTRY_BYTES
-        if size > self.max_response_bytes:
-            raise OverLimit(f"{where}: the JSON answer would be ~{size / 2**20:.0f} MiB ({entries} logprob entries), "
-                            f"over the server's --max-response-bytes {self.max_response_bytes / 2**20:.0f} MiB; ask "
-                            f"for a smaller k or fewer prompts per request, or use the gRPC API, which streams "
-                            f"raw tensors")
+    def check_json_size(self, entries: int, where: str, streamed: bool = False) -> None:
+        """Refuse (RESOURCE_EXHAUSTED) a JSON answer of `entries` logprob entries over --max-response-bytes, and
+        hold what building it takes in the memory budget until it is sent (server/http_answer.py)."""
+        check_json_entries(entries, where, self.max_response_bytes, streamed)
 
     async def tokenize(self, texts: list[str], special: bool, client: str, where: str) -> tuple:
         return await self.pipeline.tokenize(texts, special, client, where)
@@ -172,6 +165,9 @@ class Ctx:
 
         async def decoded() -> Decoded:
             d = await decode()
+            cost = self.pipeline.scheduler.cost(d.job)     # the dense arrays the pieces are collected into
+            if cost is not None and cost.output_bytes <= self.max_response_bytes:   # else refused next, saying so
+                hold_for_answer(cost.output_bytes, "the answer's arrays")
             box["c"] = Collected(len(d.job.sequences))
             return d
 

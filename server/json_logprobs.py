@@ -46,25 +46,55 @@ def _floats(values: np.ndarray) -> np.ndarray:
     return _texts(np.maximum(values.astype(np.float64), _FLOOR))
 
 
-def prompt_logprobs(targets: np.ndarray, logprobs: np.ndarray, ranks: np.ndarray, top_ids: np.ndarray,
-                    top_values: np.ndarray, leading_nulls: int, tables: VocabTables) -> orjson.Fragment:
-    """`[null x leading_nulls, {token first, then the top-k by rank}, ...]`. targets/logprobs/ranks: [n],
-    top_ids/top_values: [n, k] (k may be 0)."""
+def _rows(targets: np.ndarray, logprobs: np.ndarray, ranks: np.ndarray, top_ids, top_values,
+          tables: VocabTables) -> list[bytes]:
+    """One `{token first, then the top-k by rank}` object per row. targets/logprobs/ranks: [n],
+    top_ids/top_values: [n, k] or None."""
     head, tail = tables.tables()
     n, k = top_ids.shape if top_ids is not None else (len(targets), 0)
     # the scored token's entry: its id's pieces, its value and its rank
     first = head[targets] + _floats(logprobs) + (b',"rank":' + _texts(ranks)) + tail[targets]      # [n]
+    if not k:
+        return [b"{" + e + b"}" for e in first]
+    rank_text = np.array([b',"rank":%d' % (r + 1) for r in range(k)], dtype=object)
+    entries = head[top_ids] + _floats(top_values) + rank_text[None, :] + tail[top_ids]          # [n, k]
+    dup = top_ids == targets[:, None]                                                           # [n, k]
+    has_dup = dup.any(axis=1)
     rows = []
-    if k:
-        rank_text = np.array([b',"rank":%d' % (r + 1) for r in range(k)], dtype=object)
-        entries = head[top_ids] + _floats(top_values) + rank_text[None, :] + tail[top_ids]      # [n, k]
-        dup = top_ids == targets[:, None]                                                       # [n, k]
-        has_dup = dup.any(axis=1)
-        for j in range(n):
-            row = entries[j]
-            if has_dup[j]:
-                row = row[~dup[j]]
-            rows.append(b"{" + first[j] + b"," + b",".join(row) + b"}" if len(row) else b"{" + first[j] + b"}")
-    else:
-        rows = [b"{" + e + b"}" for e in first]
-    return orjson.Fragment(b"[" + b",".join([b"null"] * leading_nulls + rows) + b"]")
+    for j in range(n):
+        row = entries[j]
+        if has_dup[j]:
+            row = row[~dup[j]]
+        rows.append(b"{" + first[j] + b"," + b",".join(row) + b"}" if len(row) else b"{" + first[j] + b"}")
+    return rows
+
+
+# Rows encoded at a time when the list is produced in parts: entries are ~100 bytes, so a block of
+# BLOCK_ENTRIES entries keeps the temporaries near a few MiB whatever the answer's size.
+BLOCK_ENTRIES = 1 << 15
+
+
+def prompt_logprobs_parts(targets: np.ndarray, logprobs: np.ndarray, ranks: np.ndarray, top_ids: np.ndarray,
+                          top_values: np.ndarray, leading_nulls: int, tables: VocabTables):
+    """`[null x leading_nulls, {token first, then the top-k by rank}, ...]` as JSON bytes, a block of rows at a
+    time. targets/logprobs/ranks: [n], top_ids/top_values: [n, k] (or None)."""
+    n = len(targets)
+    k = top_ids.shape[1] if top_ids is not None else 0
+    step = max(1, BLOCK_ENTRIES // max(k, 1))
+    yield b"[" + b",".join([b"null"] * leading_nulls)
+    sep = b"," if leading_nulls else b""
+    for at in range(0, n, step):
+        end = min(at + step, n)
+        block = _rows(targets[at:end], logprobs[at:end], ranks[at:end],
+                      None if top_ids is None else top_ids[at:end], None if top_values is None else top_values[at:end],
+                      tables)
+        yield sep + b",".join(block)
+        sep = b","
+    yield b"]"
+
+
+def prompt_logprobs(targets: np.ndarray, logprobs: np.ndarray, ranks: np.ndarray, top_ids: np.ndarray,
+                    top_values: np.ndarray, leading_nulls: int, tables: VocabTables) -> orjson.Fragment:
+    """The whole list at once (an orjson.Fragment that orjson embeds as is)."""
+    return orjson.Fragment(b"".join(prompt_logprobs_parts(targets, logprobs, ranks, top_ids, top_values,
+                                                          leading_nulls, tables)))

@@ -11,6 +11,7 @@ without echo, and out-of-vocabulary ids in /detokenize are refused, not dropped.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import numpy as np
@@ -19,7 +20,8 @@ from logitserve.errors import InvalidRequest, NotSupported
 from logitserve.spec import ModelKind
 
 from .http_common import Ctx, clamp, fields, id_array, is_id_list, new_id, npy_b64
-from .json_logprobs import prompt_logprobs as prompt_logprobs_json
+from .http_answer import Deferred, Streamed
+from .json_logprobs import prompt_logprobs_parts
 from .params import Param, ParamTable
 from .requests import Decoded
 from .scoring import ScoreSpec, json_entries, rows_of, score_job
@@ -106,12 +108,13 @@ def _prompt_dicts(seq: np.ndarray, rows, k: int, ctx: Ctx, L: int) -> list:
     return out
 
 
-def _prompt_json(seq: np.ndarray, rows, k: int, ctx: Ctx, L: int):
-    """The same list as [None] * first + _prompt_dicts, as JSON bytes built column-wise (json_logprobs)."""
-    top_ids = rows.top_ids[:, :k] if k else None
+def _prompt_json(seq: np.ndarray, rows, k: int, ctx: Ctx, L: int) -> Streamed:
+    """The same list as [None] * first + _prompt_dicts, as JSON bytes built column-wise (json_logprobs), a block
+    of rows at a time while the answer is sent."""
+    top_ids = rows.top_ids[:, :k].astype(np.int64) if k else None
     top_v = rows.top_values[:, :k] if k else None
-    return prompt_logprobs_json(seq[rows.first:L].astype(np.int64), rows.logprobs, rows.ranks,
-                                None if top_ids is None else top_ids.astype(np.int64), top_v, rows.first, ctx.tables)
+    return Streamed(lambda: prompt_logprobs_parts(seq[rows.first:L].astype(np.int64), rows.logprobs, rows.ranks,
+                                                  top_ids, top_v, rows.first, ctx.tables))
 
 
 def _texts(ctx: Ctx, targets: list, top_ids: list) -> tuple[list, list]:
@@ -162,11 +165,25 @@ async def _prompts(ctx: Ctx, prompt: Any, special: bool, client: str) -> tuple[t
     return tuple(id_array(p, f"prompt[{i}]") for i, p in enumerate(prompt)), None
 
 
-async def completions(ctx: Ctx, body: dict, client: str) -> dict:
+@dataclass(frozen=True)
+class CompletionsPlan:
+    """What /v1/completions decoded, for its encoding: the typed fields, the prompts and what to list."""
+
+    p: dict                               # the request's typed fields (COMPLETIONS)
+    seqs: tuple                           # int32 [L] per prompt
+    texts: Optional[list]                 # the prompts' texts, when sent as text
+    spec: ScoreSpec
+    prompt_k: Optional[int]               # k of prompt_logprobs (None: not asked)
+    sample_k: Optional[int]               # k of the OpenAI logprobs block (None: not asked)
+    echo: bool
+
+
+async def completions(ctx: Ctx, body: dict, client: str) -> Deferred:
     """POST /v1/completions: prompt logprobs (and at most the greedy next token) for each prompt."""
-    state: dict = {}
+    plan: Optional[CompletionsPlan] = None
 
     async def decode() -> Decoded:
+        nonlocal plan
         _not_reward(ctx, "model")
         p = fields(body, COMPLETIONS)
         ctx.check_model(p.get("model"))
@@ -184,46 +201,50 @@ async def completions(ctx: Ctx, body: dict, client: str) -> dict:
         spec = ScoreSpec(_temperature(p.get("temperature")), logprobs=prompt_k is not None,
                          k=max(prompt_k or 0, sample_k or 0), generate=bool(gen),
                          starts=None if start is None else (start,) * len(seqs))
-        ctx.check_json_size(json_entries(seqs, spec), "prompt_logprobs")
-        state.update(p=p, seqs=seqs, texts=texts, spec=spec, prompt_k=prompt_k, sample_k=sample_k, echo=echo)
+        ctx.check_json_size(json_entries(seqs, spec), "prompt_logprobs", streamed=not (echo and sample_k is not None))
+        plan = CompletionsPlan(p, seqs, texts, spec, prompt_k, sample_k, echo)
         return Decoded(score_job(seqs, spec), sequences_field="prompt",
                        text_ids=seqs if texts is not None else None, text_field="prompt")
 
     rid = new_id("cmpl")                      # the answer's id is the access log's request id
     job, out = await ctx.run(rid, client, decode)
-    s = state
-    choices, prompt_tokens, gen = [], 0, int(s["spec"].generate)
-    for i, seq in enumerate(s["seqs"]):
+    return Deferred(lambda: _completions_answer(ctx, plan, rid, job, out))
+
+
+def _completions_answer(ctx: Ctx, s: CompletionsPlan, rid: str, job, out) -> dict:
+    """The /v1/completions answer (on a worker thread; prompt_logprobs produced while it is sent)."""
+    choices, prompt_tokens, gen = [], 0, int(s.spec.generate)
+    for i, seq in enumerate(s.seqs):
         L = len(seq)
         prompt_tokens += L
         steps: list = [None] * L
         prompt_lp = None
-        rows = rows_of(job, s["spec"], out, i, L)
-        if s["prompt_k"] is not None:
-            prompt_lp = _prompt_json(seq, rows, s["prompt_k"], ctx, L)
-            if s["echo"] and s["sample_k"] is not None:      # the OpenAI block reads the same step dicts
-                steps[rows.first:] = _prompt_dicts(seq, rows, s["prompt_k"], ctx, L)
+        rows = rows_of(job, s.spec, out, i, L)
+        if s.prompt_k is not None:
+            prompt_lp = _prompt_json(seq, rows, s.prompt_k, ctx, L)
+            if s.echo and s.sample_k is not None:      # the OpenAI block reads the same step dicts
+                steps[rows.first:] = _prompt_dicts(seq, rows, s.prompt_k, ctx, L)
         text, token_ids = "", []
         tokens, block_steps = [], []
-        head = ctx.texts.decode(seq) if s["echo"] or gen else ""      # the prompt as text, decoded once
-        if s["echo"]:
-            text = s["texts"][i] if s["texts"] is not None else head
+        head = ctx.texts.decode(seq) if s.echo or gen else ""      # the prompt as text, decoded once
+        if s.echo:
+            text = s.texts[i] if s.texts is not None else head
             tokens, block_steps = ctx.texts.of(seq), list(steps)
         if gen:
-            g, step = _next_dict(rows, s["sample_k"] or 0, ctx)
+            g, step = _next_dict(rows, s.sample_k or 0, ctx)
             token_ids = [g]
             whole = ctx.texts.decode(np.append(seq, g))
             text += whole[len(head):] if whole.startswith(head) else ctx.texts.of([g])[0]
             tokens.append(ctx.texts.of([g])[0])
             block_steps.append(step)
         logprobs = None
-        if s["sample_k"] is not None and tokens:
-            logprobs = _openai_block(tokens, block_steps, s["sample_k"])
-        ret_ids = s["p"].get("return_token_ids")
+        if s.sample_k is not None and tokens:
+            logprobs = _openai_block(tokens, block_steps, s.sample_k)
+        ret_ids = s.p.get("return_token_ids")
         choices.append({"index": i, "text": text, "logprobs": logprobs, "finish_reason": "length",
                         "stop_reason": None, "token_ids": token_ids if ret_ids else None,
                         "prompt_logprobs": prompt_lp, "prompt_token_ids": seq.tolist() if ret_ids else None})
-    n = len(s["seqs"])
+    n = len(s.seqs)
     return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": ctx.model_id,
             "choices": choices, "service_tier": None, "system_fingerprint": f"logitserve-{ctx.version}",
             "usage": _usage(prompt_tokens, gen * n)}
@@ -246,11 +267,23 @@ def _token_id_rows(value: Any, rows: int, vocab: int) -> np.ndarray:
         np.zeros((0, 1), np.int32)
 
 
-async def generate(ctx: Ctx, body: dict, client: str) -> dict:
+@dataclass(frozen=True)
+class GeneratePlan:
+    """What /inference/v1/generate decoded, for its encoding."""
+
+    p: dict                               # the request's typed fields (GENERATE)
+    seq: np.ndarray                       # int32 [L]
+    spec: ScoreSpec
+    prompt_k: Optional[int]
+    sample_k: Optional[int]
+
+
+async def generate(ctx: Ctx, body: dict, client: str) -> Deferred:
     """POST /inference/v1/generate (prime-rl's call): token_ids and sampling_params in, vLLM's answer out."""
-    state: dict = {}
+    plan: Optional[GeneratePlan] = None
 
     async def decode() -> Decoded:
+        nonlocal plan
         _not_reward(ctx, "model")
         p = fields(body, GENERATE)
         ctx.check_model(p.get("model"))
@@ -274,33 +307,37 @@ async def generate(ctx: Ctx, body: dict, client: str) -> dict:
         spec = ScoreSpec(_temperature(s.get("temperature")), logprobs=prompt_k is not None, k=max(prompt_k or 0,
                          sample_k or 0), generate=bool(gen), starts=None if start is None else (start,),
                          candidates=cands)
-        ctx.check_json_size(json_entries((seq,), spec), "prompt_logprobs")
-        state.update(p=p, seq=seq, spec=spec, prompt_k=prompt_k, sample_k=sample_k)
+        ctx.check_json_size(json_entries((seq,), spec), "prompt_logprobs", streamed=True)
+        plan = GeneratePlan(p, seq, spec, prompt_k, sample_k)
         return Decoded(score_job((seq,), spec), sequences_field="token_ids")
 
-    s = state
     rid = body.get("request_id") if isinstance(body.get("request_id"), str) else None
     rid = rid or new_id("generate-tokens")
     job, out = await ctx.run(rid, client, decode)
-    seq, L = s["seq"], len(s["seq"])
-    rows = rows_of(job, s["spec"], out, 0, L)
+    return Deferred(lambda: _generate_answer(ctx, plan, rid, job, out))
+
+
+def _generate_answer(ctx: Ctx, s: GeneratePlan, rid: str, job, out) -> dict:
+    """The /inference/v1/generate answer (on a worker thread)."""
+    seq, L = s.seq, len(s.seq)
+    rows = rows_of(job, s.spec, out, 0, L)
     prompt_lp = None
-    if s["prompt_k"] is not None:
-        prompt_lp = _prompt_json(seq, rows, s["prompt_k"], ctx, L)
+    if s.prompt_k is not None:
+        prompt_lp = _prompt_json(seq, rows, s.prompt_k, ctx, L)
     token_ids, logprobs = [], None
-    if s["spec"].generate:
-        g, step = _next_dict(rows, s["sample_k"] or 0, ctx)
+    if s.spec.generate:
+        g, step = _next_dict(rows, s.sample_k or 0, ctx)
         token_ids = [g]
-        if s["sample_k"] is not None:
+        if s.sample_k is not None:
             top = [{"token_id": int(y), "logprob": e["logprob"], "rank": e["rank"]}
-                   for y, e in list(step.items())[: s["sample_k"] + 1]]
+                   for y, e in list(step.items())[: s.sample_k + 1]]
             logprobs = {"content": [{"token_id": g, "logprob": top[0]["logprob"], "rank": 1,
-                                     "top_logprobs": top[: max(s["sample_k"], 1)] if s["sample_k"] else []}]}
+                                     "top_logprobs": top[: max(s.sample_k, 1)] if s.sample_k else []}]}
     return {"request_id": rid, "model": ctx.model_id, "created": int(time.time()),
             "usage": _usage(L, len(token_ids)), "prompt_logprobs": prompt_lp,
             "prompt_token_id_logprobs": npy_b64(rows.candidates.astype(np.float32)) if rows.candidates is not None
             else None,
-            "prompt_token_ids": seq.tolist() if s["p"].get("return_token_ids") else None,
+            "prompt_token_ids": seq.tolist() if s.p.get("return_token_ids") else None,
             "mm_placeholders": None, "metrics": None, "kv_transfer_params": None, "ec_transfer_params": None,
             "output_mode": "tokens",
             "choices": [{"index": 0, "finish_reason": "length", "stop_reason": None, "token_ids": token_ids,

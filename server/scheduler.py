@@ -115,9 +115,9 @@ class Scheduler:
         with self._cond:
             self._held.remove(client, nbytes)
 
-    @contextlib.contextmanager
-    def holding(self, client: str, nbytes: int, what: str):
-        """Reserve `nbytes` in the memory budget for work done before a job exists (tokenizing a text)."""
+    def reserve(self, client: str, nbytes: int, what: str) -> None:
+        """Reserve `nbytes` in the memory budget for work outside a job's buffer (tokenizing a text, an HTTP
+        answer being built and sent); OverLimit naming the bound. `release` gives it back."""
         c = self.config
         if c.memory_budget_bytes is not None and nbytes > c.client_budget_bytes:
             raise OverLimit(f"{what} needs ~{nbytes / _MiB:.0f} MiB, over half of --memory-budget "
@@ -125,10 +125,18 @@ class Scheduler:
         with self._cond:
             self._check_budget(client, nbytes, 0)
             self._held.add(client, nbytes)
+
+    def release(self, client: str, nbytes: int) -> None:
+        self._drop_hold(client, nbytes)
+
+    @contextlib.contextmanager
+    def holding(self, client: str, nbytes: int, what: str):
+        """`reserve` for the length of a with block."""
+        self.reserve(client, nbytes, what)
         try:
             yield
         finally:
-            self._drop_hold(client, nbytes)
+            self.release(client, nbytes)
 
     def admit(self, job: Job, client: str = UNKNOWN, extra_hold: int = 0, cost: Optional[Cost] = None) -> Ticket:
         """Queue the job or raise OverLimit; `cost`: the job's, when the caller has it already."""

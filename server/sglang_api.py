@@ -9,13 +9,15 @@ temperature. No math here.
 """
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Optional
 
 import numpy as np
 
 from logitserve.errors import InvalidRequest, NotSupported
 from logitserve.spec import ModelKind
 
+from .http_answer import Deferred
 from .http_common import Ctx, clamp, fields, id_array, is_id_list, new_id
 from .params import Param, ParamTable
 from .requests import Decoded
@@ -85,11 +87,26 @@ def _triples(values, ids, texts) -> list:
     return [[v, i, t] for v, i, t in zip(values, ids, texts)]
 
 
-async def generate(ctx: Ctx, body: dict, client: str):
+@dataclass(frozen=True)
+class GeneratePlan:
+    """What /generate decoded, for its encoding."""
+
+    seqs: tuple                           # int32 [L] per input
+    batched: bool                         # a list of inputs (answered with a list)
+    spec: ScoreSpec
+    want: bool                            # return_logprob
+    k: int                                # top_logprobs_num
+    cands: Optional[list]                 # token_ids_logprob per input
+    texts: bool                           # return_text_in_logprobs
+    starts: list                          # logprob_start_len per input, resolved
+
+
+async def generate(ctx: Ctx, body: dict, client: str) -> Deferred:
     """POST /generate with max_new_tokens 0 (or 1): SGLang's meta_info input logprobs per input."""
-    state: dict = {}
+    plan: Optional[GeneratePlan] = None
 
     async def decode() -> Decoded:
+        nonlocal plan
         if ctx.loaded.kind is ModelKind.REWARD:
             raise NotSupported("input_ids", "this server holds a reward model: POST /classify")
         p = fields(body, GENERATE)
@@ -116,24 +133,29 @@ async def generate(ctx: Ctx, body: dict, client: str):
         spec = ScoreSpec(T, logprobs=want or not gen, k=k, generate=bool(gen), starts=tuple(starts),
                          candidates=cands)
         ctx.check_json_size(json_entries(seqs, spec), "input_token_logprobs")
-        state.update(seqs=seqs, batched=batched, spec=spec, want=want, k=k, cands=per if cands else None,
-                     texts=p.get("return_text_in_logprobs", False), starts=starts)
+        plan = GeneratePlan(seqs, batched, spec, want, k, per if cands else None,
+                            p.get("return_text_in_logprobs", False), starts)
         return Decoded(score_job(seqs, spec), sequences_field="input_ids")
 
     job, out = await ctx.run(new_id("sglang"), client, decode)
-    s, answers = state, []
-    for i, x in enumerate(s["seqs"]):
-        L, start = len(x), s["starts"][i]
-        rows = rows_of(job, s["spec"], out, i, L)
-        text_of = ctx.texts.of if s["texts"] else (lambda ids: [None] * len(ids))
-        meta = {"id": new_id("sglang")[7:], "finish_reason": {"type": "length", "length": int(s["spec"].generate)},
-                "prompt_tokens": L, "completion_tokens": int(s["spec"].generate), "cached_tokens": 0,
+    return Deferred(lambda: _generate_answer(ctx, plan, job, out))
+
+
+def _generate_answer(ctx: Ctx, s: GeneratePlan, job, out):
+    """SGLang's answer per input (on a worker thread)."""
+    answers = []
+    for i, x in enumerate(s.seqs):
+        L, start = len(x), s.starts[i]
+        rows = rows_of(job, s.spec, out, i, L)
+        text_of = ctx.texts.of if s.texts else (lambda ids: [None] * len(ids))
+        meta = {"id": new_id("sglang")[7:], "finish_reason": {"type": "length", "length": int(s.spec.generate)},
+                "prompt_tokens": L, "completion_tokens": int(s.spec.generate), "cached_tokens": 0,
                 "weight_version": "default"}
         output_ids, text = [], ""
-        if s["spec"].generate:
+        if s.spec.generate:
             g = int(rows.next_ids[0])
             output_ids, text = [g], ctx.texts.of([g])[0] or ""
-        if s["want"]:
+        if s.want:
             listed = x[start:L].tolist()
             meta["input_token_logprobs"] = _triples([None] + clamp(rows.logprobs), listed, text_of(listed)) \
                 if listed else []
@@ -141,19 +163,19 @@ async def generate(ctx: Ctx, body: dict, client: str):
             if output_ids:
                 out_lp = _triples(clamp(rows.next_values[:1]), output_ids, text_of(output_ids))
             meta["output_token_logprobs"] = out_lp
-            if s["k"]:
+            if s.k:
                 tops = [None] + [_triples(clamp(v), ids, text_of(ids)) for v, ids in
                                  zip(rows.top_values, rows.top_ids.tolist())]
                 meta["input_top_logprobs"] = tops if listed else []
-                meta["output_top_logprobs"] = [_triples(clamp(rows.next_values[: s["k"]]), rows.next_ids[: s["k"]]
-                                                        .tolist(), text_of(rows.next_ids[: s["k"]].tolist()))] \
+                meta["output_top_logprobs"] = [_triples(clamp(rows.next_values[: s.k]), rows.next_ids[: s.k]
+                                                        .tolist(), text_of(rows.next_ids[: s.k].tolist()))] \
                     if output_ids else []
-            if s["cands"]:
-                ids = [int(c) for c in s["cands"][i]]
+            if s.cands:
+                ids = [int(c) for c in s.cands[i]]
                 meta["input_token_ids_logprobs"] = ([None] + [_triples(clamp(v), ids, text_of(ids))
                                                               for v in rows.candidates]) if listed else []
         answers.append({"text": text, "output_ids": output_ids, "meta_info": meta})
-    return answers if s["batched"] else answers[0]
+    return answers if s.batched else answers[0]
 
 
 def model_info(ctx: Ctx) -> dict:

@@ -11,12 +11,15 @@ nothing in it, as TRL's server does. Reward models: vLLM's /classify and /poolin
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
+from typing import Optional
 
 import numpy as np
 
 from logitserve.errors import InvalidRequest, NotSupported
 from logitserve.spec import Job, ModelKind, OutputKind
 
+from .http_answer import Deferred, hold_for_answer
 from .http_common import Ctx, b64_array, fields, id_array, is_id_list, new_id
 from .params import Param, ParamTable
 from .requests import Decoded
@@ -29,11 +32,23 @@ SEQUENCE_LOGPROBS = ParamTable(
 )
 
 
-async def sequence_logprobs(ctx: Ctx, body: dict, client: str) -> dict:
+@dataclass(frozen=True)
+class SequencePlan:
+    """What /get_sequence_logprobs/ decoded, for its encoding."""
+
+    seqs: tuple                           # int32 [L] per sequence
+    pls: list                             # prompt_lengths
+    spec: ScoreSpec
+    k: int                                # top_logprobs
+    binary: bool                          # response_format binary
+
+
+async def sequence_logprobs(ctx: Ctx, body: dict, client: str) -> Deferred:
     """POST /get_sequence_logprobs/: completion-token logprobs and top-k of each sequence."""
-    state: dict = {}
+    plan: Optional[SequencePlan] = None
 
     async def decode() -> Decoded:
+        nonlocal plan
         if ctx.loaded.kind is ModelKind.REWARD:
             raise NotSupported("sequences", "this server holds a reward model: POST /classify")
         p = fields(body, SEQUENCE_LOGPROBS)
@@ -55,20 +70,26 @@ async def sequence_logprobs(ctx: Ctx, body: dict, client: str) -> dict:
         T = p.get("temperature", 1.0)
         spec = ScoreSpec(1.0 if T == 0 else T, logprobs=True, k=k, starts=tuple(max(pl, 1) - 1 for pl in pls))
         binary = p.get("response_format", "JSON") == "BINARY"
-        if not binary:
+        if binary:      # [B, T, k] fp32 + int32 arrays, then their base64 (4/3) beside them
+            hold_for_answer(json_entries(seqs, spec) * 8 * 3, "sequences: the binary answer")
+        else:
             ctx.check_json_size(json_entries(seqs, spec), "sequences")
-        state.update(seqs=seqs, pls=pls, spec=spec, k=k, binary=binary)
+        plan = SequencePlan(seqs, pls, spec, k, binary)
         return Decoded(score_job(seqs, spec), sequences_field="sequences")
 
     job, out = await ctx.run(new_id("trl"), client, decode)
-    s = state
-    per = [rows_of(job, s["spec"], out, i, len(x)) for i, x in enumerate(s["seqs"])]
+    return Deferred(lambda: _sequence_answer(plan, job, out))
+
+
+def _sequence_answer(s: SequencePlan, job, out) -> dict:
+    """TRL's answer, json or binary (on a worker thread)."""
+    per = [rows_of(job, s.spec, out, i, len(x)) for i, x in enumerate(s.seqs)]
     # position 0 (prompt_length 0) has no distribution: one empty row in front
-    lead = [1 if pl == 0 else 0 for pl in s["pls"]]
-    if s["binary"]:
-        return _binary(s["seqs"], per, lead, s["k"])
+    lead = [1 if pl == 0 else 0 for pl in s.pls]
+    if s.binary:
+        return _binary(s.seqs, per, lead, s.k)
     logprobs, ids = [], []
-    for x, r, z in zip(s["seqs"], per, lead):
+    for x, r, z in zip(s.seqs, per, lead):
         targets = x[r.first:].tolist()
         lps, tids = [[]] * z, [[]] * z
         for j, t in enumerate(targets):
@@ -108,9 +129,10 @@ CLASSIFY = ParamTable(Param("model", str, "the served model's name"),
 
 async def _scores(ctx: Ctx, client: str, inputs, special: bool, where: str) -> tuple[tuple, np.ndarray]:
     """(ids per input, raw scores [B, num_labels]) from the engine."""
-    state: dict = {}
+    seqs: tuple = ()
 
     async def decode() -> Decoded:
+        nonlocal seqs
         if ctx.loaded.kind is not ModelKind.REWARD:
             raise NotSupported(where, "this server holds a causal LM: POST /v1/completions, /generate or "
                                       "/get_sequence_logprobs/")
@@ -125,12 +147,11 @@ async def _scores(ctx: Ctx, client: str, inputs, special: bool, where: str) -> t
             seqs, text_ids = tuple(id_array(x, f"{where}[{i}]") for i, x in enumerate(inputs)), False
         else:
             raise InvalidRequest(where, "a text, token ids, or a non-empty list of either is needed")
-        state["seqs"] = seqs
         return Decoded(Job(sequences=seqs, scores=True), sequences_field=where, text_field=where,
                        text_ids=seqs if text_ids else None)
 
     job, out = await ctx.run(new_id("classify"), client, decode)
-    return state["seqs"], np.stack(out.arrays[OutputKind.SCORES])
+    return seqs, np.stack(out.arrays[OutputKind.SCORES])
 
 
 def _activated(scores: np.ndarray) -> np.ndarray:

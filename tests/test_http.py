@@ -316,7 +316,7 @@ def test_bearer_tokens_on_http(tmp_path, model_dirs):
         server.stop()
 
 
-def test_column_wise_json_equals_vllms_dicts(http_model):
+def test_column_wise_json_equals_vllms_dicts(http_model, monkeypatch):
     """json_logprobs builds prompt_logprobs from arrays; parsed, it is the dict-per-entry list, key order and all."""
     import orjson
 
@@ -342,7 +342,16 @@ def test_column_wise_json_equals_vllms_dicts(http_model):
     values[0, -1] = -np.inf                                       # clamped to -9999.0 as vLLM does
     rows = Rows(3, rng.normal(-5, 2, L - 3).astype(np.float32), rng.integers(1, 900, L - 3).astype(np.int32),
                 values, top, None, None, None)
-    got = orjson.loads(orjson.dumps(_prompt_json(seq, rows, k, ctx, L)))
+    from logitserve.server import http_answer, json_logprobs
+
+    # produced a block of rows at a time and sent in slices, as an answer streams: small sizes cross every cut
+    monkeypatch.setattr(json_logprobs, "BLOCK_ENTRIES", 7)
+    monkeypatch.setattr(http_answer, "CHUNK_BYTES", 100)
+    slices = list(http_answer.pieces({"a": [1, _prompt_json(seq, rows, k, ctx, L)], "b": "after"}))
+    assert len(slices) > 10 and max(len(x) for x in slices) <= 100
+    whole = orjson.loads(b"".join(bytes(x) for x in slices))
+    got = whole["a"][1]
+    assert whole["a"][0] == 1 and whole["b"] == "after"
     want = [None] * 3 + _prompt_dicts(seq, rows, k, ctx, L)
     assert got == want and all(list(g) == list(w) for g, w in zip(got[3:], want[3:]))
     assert got[1 + 3][str(top[1, -1])]["logprob"] == values[1, -1].item() and want[3][str(top[0, -1])]["logprob"] == -9999.0
