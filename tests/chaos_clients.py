@@ -2,12 +2,15 @@
 
 Each behaviour runs in its own thread with its own bearer token (its own client identity) until SECONDS pass:
 stalled readers, stream hoarders, oversized texts, oversized candidate arrays, k = V requests, cancel storms
-and hang-ups. Prints one JSON line of what each saw (status code names and counts)."""
+and hang-ups; with CHAOS_HTTP_PORT set, on the HTTP port too: whole-vocabulary answers read slowly, the same
+never read, hundreds of idle connections, made-up bearers. Prints one JSON line of what each saw (status code
+names and counts)."""
 from __future__ import annotations
 
 import collections
 import json
 import os
+import socket
 import sys
 import threading
 import time
@@ -125,15 +128,107 @@ def cancel_storm(address: str, token: str, until: float) -> None:
         time.sleep(0.2)
 
 
+def _post(port: int, body: dict, token: str, rcvbuf: int = 0, source: str = "127.0.0.1") -> socket.socket:
+    s = socket.socket()
+    if rcvbuf:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+    s.bind((source, 0))
+    s.connect(("127.0.0.1", port))
+    data = json.dumps(body).encode()
+    s.sendall(f"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\nauthorization: "
+              f"Bearer {token}\r\nconnection: close\r\ncontent-length: {len(data)}\r\n\r\n".encode() + data)
+    return s
+
+
+def _status(s: socket.socket) -> str:
+    head = s.recv(64)
+    return head.split(b" ")[1].decode() if head.startswith(b"HTTP/1.1") else "cut"
+
+
+BIG = {"prompt": list(range(3, 200)), "max_tokens": 0, "prompt_logprobs": -1}     # ~460 MiB of JSON
+
+
+def http_big(port: int, token: str, until: float) -> None:
+    """Whole-vocabulary prompt_logprobs answers, read to the end (slowly)."""
+    while time.monotonic() < until:
+        s = _post(port, BIG, token)
+        try:
+            code = _status(s)
+            while s.recv(1 << 16):
+                time.sleep(0.001)
+        except OSError:
+            code = "cut"
+        seen["http-big"][code] += 1
+        s.close()
+
+
+def http_nonreader(port: int, token: str, until: float) -> None:
+    """The same answers into a 4 KiB receive buffer, never read; closed after 6 s."""
+    while time.monotonic() < until:
+        s = _post(port, BIG, token, rcvbuf=4096)
+        time.sleep(6.0)
+        seen["http-nonreader"]["held"] += 1
+        s.close()
+
+
+def http_idle(port: int, token: str, until: float) -> None:
+    """Hundreds of connections that never finish their headers, reopened as the server cuts them."""
+    held: list = []
+    while time.monotonic() < until:
+        for c in [c for c in held if c.fileno() < 0]:
+            held.remove(c)
+        while len(held) < 600:
+            c = socket.socket()
+            c.setblocking(False)
+            try:
+                c.connect(("127.0.0.1", port))
+            except BlockingIOError:
+                pass
+            held.append(c)
+        time.sleep(1.0)
+        for c in list(held):
+            try:
+                if c.recv(1, socket.MSG_PEEK) == b"":
+                    c.close()
+                    held.remove(c)
+            except BlockingIOError:
+                pass
+            except OSError:
+                c.close()
+                held.remove(c)
+        seen["http-idle"]["held"] += 1
+    for c in held:
+        c.close()
+
+
+def http_forged(port: int, token: str, until: float) -> None:
+    """Made-up bearers, one per request: refused (401/403), never a client of their own."""
+    k = 0
+    while time.monotonic() < until:
+        s = _post(port, {"prompt": [5, 6, 7], "max_tokens": 0, "prompt_logprobs": 1}, f"forged-{k}")
+        try:
+            seen["http-forged"][_status(s)] += 1
+        except OSError:
+            seen["http-forged"]["cut"] += 1
+        s.close()
+        k += 1
+        time.sleep(0.05)
+
+
+HTTP_BEHAVIOURS = (http_big, http_nonreader, http_idle, http_forged)
+
+
 def main() -> None:
     address, seconds, *tokens = sys.argv[1:]
     until = time.monotonic() + float(seconds)
-    behaviours = (stall, hoard, oversized, cancel_storm)
+    http = os.environ.get("CHAOS_HTTP_PORT")      # the HTTP port: its hostile clients too
+    behaviours = [(b.__name__, b, address) for b in (stall, hoard, oversized, cancel_storm)]
+    behaviours += [(b.__name__, b, int(http)) for b in HTTP_BEHAVIOURS] if http else []
     only = os.environ.get("CHAOS_ONLY")           # one behaviour by name, to find which one costs what
     if only:
-        behaviours = tuple(b for b in behaviours if b.__name__ == only)
-    threads = [threading.Thread(target=b, args=(address, tokens[i % len(tokens)], until), daemon=True)
-               for i, b in enumerate(behaviours)]
+        behaviours = [b for b in behaviours if b[0] == only]
+    threads = [threading.Thread(target=fn, args=(where, tokens[i % len(tokens)], until), daemon=True)
+               for i, (_, fn, where) in enumerate(behaviours)]
     [t.start() for t in threads]
     [t.join(float(seconds) + 60) for t in threads]
     print(json.dumps({k: dict(v) for k, v in seen.items()}), flush=True)

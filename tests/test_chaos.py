@@ -7,6 +7,7 @@ import os
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -18,7 +19,7 @@ from logitserve.client import TeacherClient
 from test_isolation import OVERHEAD, Rss
 
 MiB = 2 ** 20
-TOKENS = ("polite", "stall", "hoard", "big", "storm")
+TOKENS = ("polite", "stall", "hoard", "big", "storm", "httpbig", "nonreader", "idle", "forger")
 CHAOS = Path(__file__).with_name("chaos_clients.py")
 
 
@@ -33,6 +34,34 @@ def _measure(address: str, seconds: float, out: list, seqs) -> None:
             k += 1
 
 
+def _measure_http(base: str, seconds: float, out: list, seqs) -> None:
+    """The polite client on HTTP: /v1/completions prompt logprobs of the same sequences, over keep-alive."""
+    import http.client
+
+    host, port = base.rsplit("/", 1)[1].split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=60)
+    until, k = time.monotonic() + seconds, 0
+    while time.monotonic() < until:
+        body = json.dumps({"prompt": seqs[k % len(seqs)], "max_tokens": 0, "prompt_logprobs": 0})
+        t0 = time.monotonic()
+        conn.request("POST", "/v1/completions", body, {"content-type": "application/json",
+                                                        "authorization": f"Bearer {TOKENS[0]}"})
+        r = conn.getresponse()
+        data = json.loads(r.read())
+        assert r.status == 200, data
+        lp = [next(iter(d.values()))["logprob"] for d in data["choices"][0]["prompt_logprobs"][1:]]
+        out.append((time.monotonic() - t0, k % len(seqs), np.array(lp)))
+        k += 1
+    conn.close()
+
+
+def _both(server, seconds: float, grpc_out: list, http_out: list, seqs) -> None:
+    t = threading.Thread(target=_measure_http, args=(server.http, seconds, http_out, seqs))
+    t.start()
+    _measure(server.address, seconds, grpc_out, seqs)
+    t.join()
+
+
 def _percentiles(xs) -> tuple[float, float]:
     xs = sorted(xs)
     return statistics.median(xs), xs[min(len(xs) - 1, int(0.99 * len(xs)))]
@@ -43,39 +72,43 @@ def chaos(tmp_path, seconds: float, *layout: str) -> None:
     server = CliServer("--memory-budget", "1GiB", "--auth-token-file", str(tmp_path / "tokens"),
                        "--max-buffered-bytes", "8MiB", "--stream-idle-s", "3", "--max-streams-per-client", "4",
                        "--stall-timeout", "2", "--collective-timeout", "10", "--max-request-bytes", "32MiB",
-                       *layout)
+                       "--http-port", "0", "--http-send-timeout-s", "3", "--http-header-timeout-s", "3", *layout)
     rng = np.random.default_rng(0)
     seqs = [rng.integers(3, 32000, 16).tolist() for _ in range(8)]
     try:
-        unloaded: list = []
-        _measure(server.address, min(10.0, seconds / 3), unloaded, seqs)
-        loaded: list = []
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+        unloaded, unloaded_http = [], []
+        _both(server, min(10.0, seconds / 3), unloaded, unloaded_http, seqs)
+        loaded, loaded_http = [], []
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path),
+                   CHAOS_HTTP_PORT=server.http.rsplit(":", 1)[1])
         with Rss(server.proc.pid) as rss:
             hostile = subprocess.Popen([sys.executable, str(CHAOS), server.address, str(seconds), *TOKENS[1:]],
                                        stdout=subprocess.PIPE, text=True, env=env)
             time.sleep(1.0)
-            _measure(server.address, seconds - 1.0, loaded, seqs)
+            _both(server, seconds - 1.0, loaded, loaded_http, seqs)
             out, _ = hostile.communicate(timeout=seconds + 120)
         seen = json.loads(out.strip().splitlines()[-1])
         assert server.proc.poll() is None, "".join(server.log[-40:])
-        p50u, p99u = _percentiles([t for t, _, _ in unloaded])
-        p50, p99 = _percentiles([t for t, _, _ in loaded])
-        print(f"\nchaos {' '.join(layout) or 'tp 1'} {seconds:g} s: unloaded p50 {p50u * 1e3:.1f} ms p99 "
-              f"{p99u * 1e3:.1f} ms ({len(unloaded)}); under chaos p50 {p50 * 1e3:.1f} ms p99 {p99 * 1e3:.1f} ms "
-              f"({len(loaded)}); RSS +{rss.growth / MiB:.0f} MiB; hostile saw {seen}")
-        # Every well-behaved answer is exact: the same ids give the same logprobs under load as unloaded.
-        first = {k: lp for _, k, lp in unloaded}
-        for _, k, lp in loaded:
-            np.testing.assert_array_equal(lp, first[k])
-        worst = sorted(t for t, _, _ in loaded)[-12:]
-        print("slowest under chaos (ms):", [round(t * 1e3) for t in worst])
-        assert p50 <= 1.5 * p50u + 0.005 and p99 <= 3 * p99u + 0.010, (p50u, p99u, p50, p99)
+        for name, before, after in (("gRPC", unloaded, loaded), ("HTTP", unloaded_http, loaded_http)):
+            p50u, p99u = _percentiles([t for t, _, _ in before])
+            p50, p99 = _percentiles([t for t, _, _ in after])
+            print(f"\nchaos {' '.join(layout) or 'tp 1'} {seconds:g} s, {name}: unloaded p50 {p50u * 1e3:.1f} ms p99 "
+                  f"{p99u * 1e3:.1f} ms ({len(before)}); under chaos p50 {p50 * 1e3:.1f} ms p99 {p99 * 1e3:.1f} ms "
+                  f"({len(after)}); RSS +{rss.growth / MiB:.0f} MiB; hostile saw {seen}")
+            # Every well-behaved answer is exact: the same ids give the same logprobs under load as unloaded.
+            first = {k: lp for _, k, lp in before}
+            for _, k, lp in after:
+                np.testing.assert_array_equal(lp, first[k])
+            worst = sorted(t for t, _, _ in after)[-12:]
+            print(f"slowest {name} under chaos (ms):", [round(t * 1e3) for t in worst])
+            assert p50 <= 1.5 * p50u + 0.005 and p99 <= 3 * p99u + 0.010, (name, p50u, p99u, p50, p99)
         assert rss.growth < 1024 * MiB + OVERHEAD, rss.growth / MiB
         assert seen.get("text", {}).get("RESOURCE_EXHAUSTED") and seen.get("k=V", {}).get("RESOURCE_EXHAUSTED")
         assert seen.get("hoard", {}).get("RESOURCE_EXHAUSTED")
-        assert all(code in ("OK", "RESOURCE_EXHAUSTED", "CANCELLED", "UNAVAILABLE", "held", "sent")
-                   for counts in seen.values() for code in counts), seen
+        assert seen.get("http-big", {}).get("200") and seen.get("http-idle", {}).get("held")
+        assert set(seen.get("http-forged", {})) <= {"403", "cut"} and seen["http-forged"].get("403")
+        assert all(code in ("OK", "RESOURCE_EXHAUSTED", "CANCELLED", "UNAVAILABLE", "held", "sent", "200", "403",
+                            "429", "cut") for counts in seen.values() for code in counts), seen
         with TeacherClient(server.address, token=TOKENS[0]) as c:
             assert c.model_info() is not None
     finally:
@@ -94,3 +127,8 @@ def test_chaos_tp1(tmp_path):
 @pytest.mark.slow
 def test_chaos_tp2(tmp_path):
     chaos(tmp_path, 300.0, "--tp", "2")
+
+
+@pytest.mark.slow
+def test_chaos_pp2(tmp_path):
+    chaos(tmp_path, 300.0, "--pp", "2")
