@@ -17,6 +17,11 @@ class OverLimit(LogitServeError):
     """The request is valid but over a configured limit or budget (gRPC RESOURCE_EXHAUSTED)."""
 
 
+class TooLarge(OverLimit):
+    """The request is over a fixed per-request limit (size, count, answer bytes): retrying it unchanged can never
+    succeed (gRPC RESOURCE_EXHAUSTED saying it is permanent; HTTP 413, which clients do not retry)."""
+
+
 class Unavailable(LogitServeError):
     """The server cannot serve now: shutting down, or a rank was lost (gRPC UNAVAILABLE)."""
 
