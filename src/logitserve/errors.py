@@ -14,7 +14,7 @@ class InvalidRequest(LogitServeError, ValueError):
 
 
 class OverLimit(LogitServeError):
-    """The request is valid but over a configured limit or budget (gRPC RESOURCE_EXHAUSTED)."""
+    """The request is valid but over a budget or limit now: retry later (gRPC RESOURCE_EXHAUSTED, HTTP 429)."""
 
 
 class TooLarge(OverLimit):
