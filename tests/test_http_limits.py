@@ -124,11 +124,11 @@ def test_sglang_candidates_are_counted_before_they_are_expanded(served):
 
 
 def test_detokenize_has_grpcs_cap_checked_before_conversion(served):
-    """/detokenize takes at most 65,536 ids, as gRPC Detokenize; 3 million are refused 413 at parsing's cost."""
+    """/detokenize takes at most 65,536 ids, as gRPC Detokenize; 1.5 million are refused 413 at parsing's cost."""
     from logitserve.tokenizing import MAX_DETOKENIZE
 
     base, server, _ = served
-    body = {"tokens": [7] * 3_000_000}
+    body = {"tokens": [7] * 1_500_000}
     err = refused_like_parsing(server, "/detokenize", body, {**body, "model": "other"}, 413)
     assert err["param"] is None and "tokens" in err["message"] and str(MAX_DETOKENIZE) in err["message"], err
     got, out, _ = post(base, "/detokenize", {"tokens": [7] * MAX_DETOKENIZE})
@@ -153,13 +153,13 @@ def test_grpc_detokenize_shares_the_cap_and_says_it_is_permanent(served):
 
 @pytest.mark.parametrize("shape", ["one list", "lists"])
 def test_prompt_ids_are_counted_before_numpy(served, shape):
-    """4 million ids as a /v1/completions prompt (one list, or four of a million) are over --max-request-tokens:
-    413 naming the flag, at the cost of parsing them."""
+    """2 million ids as a /v1/completions prompt (one list, or two of a million) are over --max-request-tokens
+    (2^20): 413 naming the flag, at the cost of parsing them."""
     _, server, _ = served
-    prompt = [7] * 4_000_000 if shape == "one list" else [[7] * 1_000_000 for _ in range(4)]
+    prompt = [7] * 2_000_000 if shape == "one list" else [[7] * 1_000_000 for _ in range(2)]
     body = {"prompt": prompt, "prompt_logprobs": 1, "max_tokens": 0}
     err = refused_like_parsing(server, "/v1/completions", body, {**body, "model": "other"}, 413)
-    assert "prompt" in err["message"] and "--max-request-tokens" in err["message"] and "4000000" in err["message"]
+    assert "prompt" in err["message"] and "--max-request-tokens" in err["message"] and "2000000" in err["message"]
 
 
 def test_request_ids_and_model_names_are_bounded_and_never_logged_whole(served):
@@ -225,17 +225,18 @@ def _access_lines(server, status: str) -> int:
 
 
 def test_permanent_refusals_are_413_and_the_openai_sdk_does_not_retry_them(served):
-    """Over --max-request-tokens is 413: the openai package raises at once; before, a 429 was sent 3 times."""
+    """An answer over --max-response-bytes is 413: the openai package raises at once; before, its 429 was sent 3
+    times. (24 prompts of 500 tokens, every position's whole vocabulary: ~1.1 GiB of JSON over the 1 GiB default.)"""
     import openai
 
     base, server, _ = served
     client = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=2)
     before = _access_lines(server, "RESOURCE_EXHAUSTED")
     with pytest.raises(openai.APIStatusError) as e:
-        client.completions.create(model="teacher", prompt=[7] * ((1 << 20) + 1), max_tokens=0,
-                                  extra_body={"prompt_logprobs": 1})
+        client.completions.create(model="teacher", prompt=[[7] * 500] * 24, max_tokens=0,
+                                  extra_body={"prompt_logprobs": -1})
     assert e.value.status_code == 413 and not isinstance(e.value, openai.RateLimitError)
-    assert "--max-request-tokens" in e.value.message and "permanent" in e.value.message
+    assert "--max-response-bytes" in e.value.message and "permanent" in e.value.message
     time.sleep(0.3)
     assert _access_lines(server, "RESOURCE_EXHAUSTED") - before == 1      # one request reached the server
     # a body over --max-request-bytes: 413 from its Content-Length, the body never sent
