@@ -222,21 +222,22 @@ async def create_server(loaded: LoadedModel, config: ServerConfig, layout: Optio
     running = Running(listening.server, listening.port, gate, scheduler, layout, listening.health, metrics, http,
                       pipeline)
     if config.http_port is not None:
-        running.http = await _serve_http(loaded, config, pipeline, listening.auth)
+        running.http = await _serve_http(loaded, config, pipeline, listening)
     gate.open()
     await running.set_serving(True)
     return running
 
 
-async def _serve_http(loaded: LoadedModel, config: ServerConfig, pipeline: Pipeline, auth):
-    """The HTTP front-end on config.http_port, sharing the pipeline (and so the scheduler) with gRPC."""
-    from .http_app import HttpFrontEnd, bind
+async def _serve_http(loaded: LoadedModel, config: ServerConfig, pipeline: Pipeline, listening: Listening):
+    """The HTTP front-end on the socket open_port bound to config.http_port, sharing the pipeline (and so the
+    scheduler) with gRPC."""
+    from .http_app import HttpFrontEnd
     from .http_common import Ctx, TokenTexts
 
     ctx = Ctx(pipeline, loaded, config.served_model_names or (loaded.name,), logitserve.__version__,
               config.limits.max_response_bytes, TokenTexts(loaded.text))
-    front = HttpFrontEnd(ctx, config.max_request_bytes, auth, config.http)
-    await front.start(bind(config.host, config.http_port), config.security)
+    front = HttpFrontEnd(ctx, config.max_request_bytes, listening.auth, config.http)
+    await front.start(listening.http_socket, config.security)
     await asyncio.to_thread(ctx.tables.tables)    # each vocab id's JSON pieces, once (~0.3 s per 32k ids)
     return front
 

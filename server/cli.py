@@ -210,6 +210,7 @@ def _cmd_serve(args, argv: list[str]) -> int:
     if not under_torchrun():
         try:
             check_port_free(args.host, args.port)   # one line now, before ranks start or gRPC logs its own
+            check_port_free(args.host, args.http_port, "--http-port")
         except PortInUse as e:
             print(f"logitserve: {e}", file=sys.stderr)
             return 1

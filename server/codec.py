@@ -16,7 +16,7 @@ from logitserve.errors import InvalidRequest
 from logitserve.spec import HiddenOpts, Job, LogprobsOpts, OutputKind, SliceOpts, TopKOpts, WireDType
 from logitserve.v1 import logitserve_pb2 as pb
 
-MAX_REQUEST_ID = 256   # bytes of UTF-8; checked before an id is logged or echoed
+MAX_REQUEST_ID = 256   # bytes of UTF-8 of a request id or a model name (every front-end); checked before one is logged
 # Room left in each message for everything but the tensor bytes (ids, shapes, offsets, framing).
 HEADER_ROOM = 4096
 
@@ -60,10 +60,26 @@ def decode_forward_request(raw: bytes):
         return Undecodable(len(raw), str(e)[:200])
 
 
+def _over(name: str) -> Optional[int]:
+    """The UTF-8 size of a client's name for something when it is over MAX_REQUEST_ID bytes, else None."""
+    if len(name) <= MAX_REQUEST_ID // 4:     # at most 4 UTF-8 bytes a character
+        return None
+    n = len(name.encode("utf-8", "surrogatepass"))
+    return n if n > MAX_REQUEST_ID else None
+
+
+def check_name(name: str, field: str) -> None:
+    """InvalidRequest naming `field` and the bound for a request id or model name over MAX_REQUEST_ID bytes
+    (the message never repeats the name)."""
+    n = _over(name)
+    if n is not None:
+        raise InvalidRequest(field, f"{n} bytes is over the limit of {MAX_REQUEST_ID} bytes")
+
+
 def request_id_error(rid: str) -> Optional[str]:
     """Why a request id cannot be used (too long), or None; the message never repeats the id."""
-    n = len(rid.encode("utf-8", "surrogatepass"))
-    return None if n <= MAX_REQUEST_ID else f"request_id: {n} bytes is over the limit of {MAX_REQUEST_ID} bytes"
+    n = _over(rid)
+    return None if n is None else f"request_id: {n} bytes is over the limit of {MAX_REQUEST_ID} bytes"
 
 
 ECHO_ID_BYTES = 64 << 10   # an over-long id up to this size is echoed whole (the client can match it), never logged

@@ -87,8 +87,11 @@ class Listening:
     gate: Gate
     health: health_aio.HealthServicer
     auth: Optional[TokenAuth] = None     # bearer-token checks, when --auth-token-file is set
+    http_socket: Optional[socket.socket] = None   # --http-port, bound and listening; served once the model is loaded
 
     async def close(self) -> None:
+        if self.http_socket is not None:
+            self.http_socket.close()
         await self.server.stop(0)
 
 
@@ -110,8 +113,21 @@ def _bind(server: grpc.aio.Server, config) -> int:
     return port
 
 
+def _bind_http(config) -> Optional[socket.socket]:
+    """--http-port, bound now: a port in use is refused before the model loads, naming the flag."""
+    if config.http_port is None:
+        return None
+    from .http_app import bind
+
+    try:
+        return bind(config.host, config.http_port)
+    except OSError as e:
+        raise PortInUse(f"{e}; choose another --http-port or stop the process that holds it") from None
+
+
 async def open_port(config) -> Listening:
-    """Start the gRPC server on the configured port before anything is loaded (see server/gate.py)."""
+    """Start the gRPC server on the configured port, and bind --http-port, before anything is loaded."""
+    http_socket = _bind_http(config)
     sec = config.security
     auth = TokenAuth(load_tokens(sec.auth_token_file)) if sec.auth_token_file else None
     server = grpc.aio.server(options=[
@@ -130,13 +146,19 @@ async def open_port(config) -> Listening:
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, gate)
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
-    port = _bind(server, config)
+    try:
+        port = _bind(server, config)
+    except PortInUse:
+        if http_socket is not None:
+            http_socket.close()
+        raise
     await server.start()
-    return Listening(server, port, gate, health_servicer, auth)
+    return Listening(server, port, gate, health_servicer, auth, http_socket)
 
-def check_port_free(host: str, port: int) -> None:
+
+def check_port_free(host: str, port: Optional[int], flag: str = "--port") -> None:
     """PortInUse unless host:port can be bound now (before starting rank processes that would bind it)."""
-    if port == 0:
+    if not port:
         return
     family = socket.AF_INET6 if ":" in host.strip("[]") else socket.AF_INET
     with socket.socket(family, socket.SOCK_STREAM) as s:
@@ -144,5 +166,6 @@ def check_port_free(host: str, port: int) -> None:
         try:
             s.bind((host.strip("[]"), port))
         except OSError as e:
-            raise PortInUse(f"cannot listen on {host}:{port}: {e.strerror.lower() if e.strerror else e}; "
-                            f"choose another --port or stop the process that holds it") from None
+            raise PortInUse(f"{flag} {port}: cannot listen on {host}:{port}: "
+                            f"{e.strerror.lower() if e.strerror else e}; choose another {flag} or stop the process "
+                            f"that holds it") from None

@@ -22,7 +22,7 @@ from typing import Any, Callable, Iterator, Optional
 
 import orjson
 
-from logitserve.errors import OverLimit
+from logitserve.errors import TooLarge
 
 # Bytes one JSON logprob entry takes at most, about: `"12345":{"logprob":-12.345678901234567,"rank":12345,
 # "decoded_token":"..."}` with a token text of up to ~20 bytes. Checked against --max-response-bytes.
@@ -73,7 +73,7 @@ def check_json_entries(entries: int, where: str, max_response_bytes: int, stream
     holds (one copy when the entries are `Streamed`, BUILD_COPIES when a route builds them as lists)."""
     size = entries * JSON_ENTRY_BYTES
     if size > max_response_bytes:
-        raise OverLimit(f"{where}: the JSON answer would be ~{size / 2**20:.0f} MiB ({entries} logprob entries), "
+        raise TooLarge(f"{where}: the JSON answer would be ~{size / 2**20:.0f} MiB ({entries} logprob entries), "
                         f"over the server's --max-response-bytes {max_response_bytes / 2**20:.0f} MiB; ask "
                         f"for a smaller k or fewer prompts per request, or use the gRPC API, which streams "
                         f"raw tensors")

@@ -19,18 +19,19 @@ import grpc
 import orjson
 import uvicorn
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from logitserve.errors import InvalidRequest, OverLimit
+from logitserve.errors import InvalidRequest, TooLarge
 
 from . import openai_api, sglang_api, trl_api
 from . import http_answer as answer
 from .http_answer import AnswerHold
 from .http_common import Ctx, Failed, json_object
 from .http_conn import AcceptErrorFilter, Connections, HttpLimits, guarded_protocol
-from .status import to_http, to_status
+from .status import route_error, to_http, to_status
 
 log = logging.getLogger("logitserve.http")
 # Connections the kernel queues for accept(), and so the most asyncio accepts in one turn of the loop before any
@@ -42,9 +43,18 @@ def _json(content, status: int = 200, headers: Optional[dict] = None) -> Respons
     return Response(orjson.dumps(content), status_code=status, media_type="application/json", headers=headers)
 
 
-def error_response(code: grpc.StatusCode, message: str, param: Optional[str] = None) -> Response:
-    status, kind = to_http(code)
+def error_response(code: grpc.StatusCode, message: str, param: Optional[str] = None,
+                   too_large: bool = False) -> Response:
+    status, kind = to_http(code, too_large)
     return _json({"error": {"message": message, "type": kind, "param": param, "code": status}}, status)
+
+
+async def no_route(request: Request, exc: HTTPException) -> Response:
+    """404 (unknown path) and 405 (wrong method) in the OpenAI error shape, as every other error."""
+    what = "no such route" if exc.status_code == 404 else f"{request.method} is not allowed here"
+    message = f"{request.method} {request.url.path[:128]!r}: {what}"
+    return _json({"error": {"message": message, "type": route_error(exc.status_code), "param": None,
+                            "code": exc.status_code}}, exc.status_code, headers=exc.headers)
 
 
 class HttpFrontEnd:
@@ -75,7 +85,7 @@ class HttpFrontEnd:
             Route("/health", self._health(b"")),
             Route("/health_generate", self._health(b"")),
             Route("/health/", self._health(b'{"status":"ok"}')),
-        ])
+        ], exception_handlers={HTTPException: no_route})
 
     # -- routes -----------------------------------------------------------------------------------------------
     def _health(self, body: bytes):
@@ -111,13 +121,13 @@ class HttpFrontEnd:
             except Failed as f:
                 hold.release()
                 o = f.outcome
-                return error_response(o.status, o.message, o.field)
+                return error_response(o.status, o.message, o.field, o.too_large)
             except BaseException as e:     # noqa: BLE001 (before or outside the pipeline: its status, in one place)
                 hold.release()
                 if not isinstance(e, Exception):
                     raise
                 code, message = to_status(e)
-                return error_response(code, message, getattr(e, "field", None))
+                return error_response(code, message, getattr(e, "field", None), isinstance(e, TooLarge))
         return post
 
     def _refused(self, request: Request) -> Optional[Response]:
@@ -133,12 +143,12 @@ class HttpFrontEnd:
         limit = self._max_request_bytes
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
-            raise OverLimit(f"body: {declared} bytes is over the server's --max-request-bytes {limit}")
+            raise TooLarge(f"body: {declared} bytes is over the server's --max-request-bytes {limit}")
         chunks, size = [], 0
         async for chunk in request.stream():
             size += len(chunk)
             if size > limit:
-                raise OverLimit(f"body: over the server's --max-request-bytes {limit}")
+                raise TooLarge(f"body: over the server's --max-request-bytes {limit}")
             chunks.append(chunk)
         if not size:
             raise InvalidRequest("body", "a JSON object is needed")

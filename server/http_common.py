@@ -13,9 +13,12 @@ from typing import Any, Awaitable, Callable
 import numpy as np
 import orjson
 
-from logitserve.errors import InvalidRequest, NotFound, OverLimit
+from logitserve.errors import InvalidRequest, NotFound, TooLarge
 from logitserve.spec import Job, OutputKind
+from logitserve.tokenizing import check_detokenize_count
+from logitserve.validate import check_candidates_per_row
 
+from .codec import check_name, shown_id
 from .http_answer import check_json_entries, hold_for_answer
 from .params import ParamTable
 from .requests import Decoded, Outcome, Pipeline
@@ -144,16 +147,44 @@ class Ctx:
         return self.names[0]
 
     def check_model(self, name: Any, where: str = "model") -> None:
-        """An absent or empty model name means the one served here; another name is NOT_FOUND."""
+        """An absent or empty model name means the one served here; another name is NOT_FOUND; one over the
+        bound of gRPC's names (codec.MAX_REQUEST_ID bytes) INVALID_ARGUMENT."""
         if name is None or name == "" or name in self.names:
             return
         if not isinstance(name, str):
             raise InvalidRequest(where, f"a string is needed, got {type(name).__name__}")
+        check_name(name, where)
         raise NotFound(where, f"the model `{name[:128]}` does not exist; this server holds {self.model_id!r}")
 
+    def ids(self, value: Any, field: str) -> np.ndarray:
+        """One list of token ids as int32 [L], its length checked against --max-request-tokens before it is
+        converted."""
+        if isinstance(value, list):
+            self.pipeline.check_tokens(len(value), field)
+        return id_array(value, field)
+
+    def id_lists(self, values: list, field: str) -> tuple[np.ndarray, ...]:
+        """A batch of token-id lists as int32 arrays; their count (--max-sequences-per-request) and total length
+        (--max-request-tokens) are checked before any of them is converted."""
+        self.pipeline.check_rows(len(values), field)
+        self.pipeline.check_tokens(sum(len(x) for x in values if isinstance(x, list)), field)
+        return tuple(id_array(x, f"{field}[{i}]") for i, x in enumerate(values))
+
+    def candidate_lists(self, value: Any, n: int, field: str) -> list:
+        """One list of candidate ids per input (one list given: the same for all), unconverted, each at most V
+        long (validate.check_candidates_per_row, as gRPC's)."""
+        if not isinstance(value, list) or not value:
+            raise InvalidRequest(field, "a list of token ids, or one per input, is needed")
+        per = value if isinstance(value[0], list) else [value] * n
+        if len(per) != n or not all(isinstance(c, list) for c in per) or len({len(c) for c in per}) != 1:
+            raise InvalidRequest(field, "one list of ids (the same length) for every input")
+        check_candidates_per_row(field, len(per[0]), self.loaded.vocab_size)
+        return per
+
     def check_json_size(self, entries: int, where: str, streamed: bool = False) -> None:
-        """Refuse (RESOURCE_EXHAUSTED) a JSON answer of `entries` logprob entries over --max-response-bytes, and
-        hold what building it takes in the memory budget until it is sent (server/http_answer.py)."""
+        """Refuse (TooLarge) a JSON answer of `entries` logprob entries over --max-response-bytes, called on the
+        counts a request declares before anything is expanded; and hold what building it takes in the memory
+        budget until it is sent (server/http_answer.py)."""
         check_json_entries(entries, where, self.max_response_bytes, streamed)
 
     async def tokenize(self, texts: list[str], special: bool, client: str, where: str) -> tuple:
@@ -178,6 +209,26 @@ class Ctx:
         if not outcome.ok:
             raise Failed(outcome)
         return outcome.job, box["c"]
+
+
+def request_id(body: dict, field: str, prefix: str) -> str:
+    """The id a request is logged under: the client's `field` (its first MAX_REQUEST_ID bytes: check_request_id
+    refuses a longer one inside the pipeline, so that the refusal is logged too), or a new one."""
+    given = body.get(field)
+    return shown_id(given) if isinstance(given, str) and given else new_id(prefix)
+
+
+def check_request_id(value: Any, field: str) -> None:
+    """A client's request id over gRPC's bound (codec.MAX_REQUEST_ID bytes) is INVALID_ARGUMENT."""
+    if isinstance(value, str):
+        check_name(value, field)
+
+
+def detokenize_ids(value: Any, field: str) -> np.ndarray:
+    """Ids to detokenize as int32, their count checked against gRPC Detokenize's cap before conversion."""
+    if isinstance(value, list):
+        check_detokenize_count(len(value), field)
+    return id_array(value, field)
 
 
 def clamp(values: np.ndarray, floor: float = -9999.0) -> list:

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from logitserve.cost import WIRE_BYTES
-from logitserve.errors import InvalidRequest, OverLimit
+from logitserve.errors import InvalidRequest, TooLarge
 from logitserve.kserve import grpc_predict_v2_pb2 as kpb
 from logitserve.kserve import grpc_predict_v2_pb2_grpc as kpb_grpc
 from logitserve.spec import Job, LogprobsOpts, ModelKind, OutputKind, SliceOpts, TopKOpts, WireDType
@@ -132,7 +132,7 @@ def _input(req: kpb.ModelInferRequest, name: str) -> Optional[np.ndarray]:
 def decode(req: kpb.ModelInferRequest, kind: ModelKind, max_sequences: int = 4096) -> tuple[Job, list[str], dict]:
     """The Job, the output names and the typed parameters of a ModelInferRequest (its deadline: timeout_of);
     malformed input raises InvalidRequest naming the input or parameter; more than `max_sequences` rows,
-    OverLimit before anything per row is built (a [2^32, 0] tensor holds no bytes but 2^32 rows)."""
+    TooLarge before anything per row is built (a [2^32, 0] tensor holds no bytes but 2^32 rows)."""
     names = [o.name for o in req.outputs] or (["scores"] if kind is ModelKind.REWARD else ["token_logprobs"])
     unknown = sorted(set(names) - set(OUTPUTS))
     if unknown:
@@ -142,8 +142,8 @@ def decode(req: kpb.ModelInferRequest, kind: ModelKind, max_sequences: int = 409
     if ids is None or ids.ndim != 2:
         raise InvalidRequest("inputs[input_ids]", "an INT32 or INT64 [B, L] tensor named input_ids is needed")
     if ids.shape[0] > max(max_sequences, 1 << 16):   # absurd row counts before any per-row list; the rest: check_size
-        raise OverLimit(f"inputs[input_ids]: {ids.shape[0]} sequences in this request is over the server's "
-                        f"--max-sequences-per-request {max_sequences}")
+        raise TooLarge(f"inputs[input_ids]: {ids.shape[0]} sequences in this request is over the server's "
+                       f"--max-sequences-per-request {max_sequences}")
     lengths = _input(req, "sequence_lengths")
     lengths = [ids.shape[1]] * ids.shape[0] if lengths is None else [int(x) for x in lengths.reshape(-1)]
     if len(lengths) != ids.shape[0] or any(not 0 <= n <= ids.shape[1] for n in lengths):
@@ -315,9 +315,8 @@ class KServeServicer(kpb_grpc.GRPCInferenceServiceServicer):
 
     def _decode(self, request: kpb.ModelInferRequest, names: list) -> Decoded:
         """The request as a Decoded (its output names into `names`); the answer must fit one message."""
-        too_long = codec.request_id_error(request.id)
-        if too_long is not None:
-            raise InvalidRequest("id", too_long.split(": ", 1)[1])
+        codec.check_name(request.id, "id")
+        codec.check_name(request.model_name, "model_name")
         if not self._serves(request.model_name):
             raise InvalidRequest("model_name", f"{request.model_name[:64]!r} is not served here; this "
                                                f"server holds {self._loaded.name!r}")
@@ -326,11 +325,11 @@ class KServeServicer(kpb_grpc.GRPCInferenceServiceServicer):
         size = dense_bytes(job, wanted, self._loaded.vocab_size, self._loaded.num_labels)
         limit = self._max_message_bytes - (64 << 10)     # headroom for names, shapes, framing
         if size > limit:
-            raise OverLimit(f"outputs: the answer would be {size / 2**20:.1f} MiB, over the largest message "
-                            f"this server sends (--max-message-bytes {self._max_message_bytes}, "
-                            f"less 64 KiB for framing); ask for fewer sequences or a smaller slice per "
-                            f"request, or use the streaming API (logitserve.v1.LogitServe/Forward), "
-                            f"which chunks any answer")
+            raise TooLarge(f"outputs: the answer would be {size / 2**20:.1f} MiB, over the largest message "
+                           f"this server sends (--max-message-bytes {self._max_message_bytes}, "
+                           f"less 64 KiB for framing); ask for fewer sequences or a smaller slice per "
+                           f"request, or use the streaming API (logitserve.v1.LogitServe/Forward), "
+                           f"which chunks any answer")
         # the dense arrays and their serialized copy are held with the job
         return Decoded(job, timeout_of(params), "parameters[timeout_s]", hold=2 * size)
 

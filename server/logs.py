@@ -19,11 +19,17 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(out, default=str)
 
 
-_CONTROL = {c: f"\\x{c:02x}" for c in (*range(0x20), 0x7F)} | {0x0A: "\\n", 0x0D: "\\r", 0x09: "\\t"}
+# Every character that ends a line somewhere (C0 controls, NEL U+0085, U+2028, U+2029: str.splitlines() and many
+# log viewers break on them), every other C1 control (U+009B is a terminal's CSI) and the bidi controls that
+# reorder what a terminal shows, as escapes.
+_BIDI = (*range(0x200E, 0x2010), *range(0x202A, 0x202F), *range(0x2066, 0x206A))
+_CONTROL = ({c: f"\\x{c:02x}" for c in (*range(0x20), *range(0x7F, 0xA0))}
+            | {c: f"\\u{c:04x}" for c in (0x2028, 0x2029, *_BIDI)} | {0x0A: "\\n", 0x0D: "\\r", 0x09: "\\t"})
 
 
 def escape(text: str) -> str:
-    """Control characters as escapes: text from a client (a request id) can never start a log line of its own."""
+    """Control characters and line separators as escapes: text from a client (a request id) can never start a log
+    line of its own, nor steer the terminal that shows it."""
     return text.translate(_CONTROL)
 
 

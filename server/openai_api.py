@@ -18,9 +18,11 @@ import numpy as np
 
 from logitserve.errors import InvalidRequest, NotSupported
 from logitserve.spec import ModelKind
+from logitserve.validate import check_candidates_per_row
 
-from .http_common import Ctx, clamp, fields, id_array, is_id_list, new_id, npy_b64
 from .http_answer import Deferred, Streamed
+from .http_common import (Ctx, check_request_id, clamp, detokenize_ids, fields, id_array, is_id_list, new_id, npy_b64,
+                          request_id)
 from .json_logprobs import prompt_logprobs_parts
 from .params import Param, ParamTable
 from .requests import Decoded
@@ -155,14 +157,14 @@ async def _prompts(ctx: Ctx, prompt: Any, special: bool, client: str) -> tuple[t
     if isinstance(prompt, str):
         prompt = [prompt]
     if is_id_list(prompt):
-        return (id_array(prompt, "prompt"),), None
+        return (ctx.ids(prompt, "prompt"),), None
     if not isinstance(prompt, list):
         raise InvalidRequest("prompt", f"token ids, a list of them, a text or a list of texts; got "
                                        f"{type(prompt).__name__}")
     ctx.pipeline.check_rows(len(prompt), "prompt")
     if all(isinstance(p, str) for p in prompt):
         return await ctx.tokenize(prompt, special, client, "prompt"), prompt
-    return tuple(id_array(p, f"prompt[{i}]") for i, p in enumerate(prompt)), None
+    return ctx.id_lists(prompt, "prompt"), None
 
 
 @dataclass(frozen=True)
@@ -263,6 +265,7 @@ def _token_id_rows(value: Any, rows: int, vocab: int) -> np.ndarray:
     widths = {len(r) for r in value}
     if len(widths) > 1 or 0 in widths:
         raise InvalidRequest(field, "every row needs the same number (>= 1) of token ids")
+    check_candidates_per_row(field, widths.pop() if widths else 0, vocab)
     return np.stack([id_array(r, f"{field}[{j}]") for j, r in enumerate(value)]) if rows else \
         np.zeros((0, 1), np.int32)
 
@@ -286,6 +289,7 @@ async def generate(ctx: Ctx, body: dict, client: str) -> Deferred:
         nonlocal plan
         _not_reward(ctx, "model")
         p = fields(body, GENERATE)
+        check_request_id(p.get("request_id"), "request_id")
         ctx.check_model(p.get("model"))
         sp = body.get("sampling_params")
         if not isinstance(sp, dict):
@@ -295,7 +299,7 @@ async def generate(ctx: Ctx, body: dict, client: str) -> Deferred:
             raise InvalidRequest("stream", "this server answers whole; set stream to false")
         V = ctx.loaded.vocab_size
         prompt_k, sample_k = _ks(s, V, "sampling_params.")
-        seq = id_array(body.get("token_ids"), "token_ids")
+        seq = ctx.ids(body.get("token_ids"), "token_ids")
         if not len(seq):
             raise InvalidRequest("token_ids", "at least one token id is needed")
         gen = _generate_count(s.get("max_tokens"))
@@ -311,8 +315,7 @@ async def generate(ctx: Ctx, body: dict, client: str) -> Deferred:
         plan = GeneratePlan(p, seq, spec, prompt_k, sample_k)
         return Decoded(score_job((seq,), spec), sequences_field="token_ids")
 
-    rid = body.get("request_id") if isinstance(body.get("request_id"), str) else None
-    rid = rid or new_id("generate-tokens")
+    rid = request_id(body, "request_id", "generate-tokens")     # bounded: a longer one is refused in decode()
     job, out = await ctx.run(rid, client, decode)
     return Deferred(lambda: _generate_answer(ctx, plan, rid, job, out))
 
@@ -378,7 +381,7 @@ def detokenize(ctx: Ctx, body: dict) -> dict:
     ctx.check_model(body.get("model"))
     if ctx.pipeline.text is None:
         raise NotSupported("tokens", "this model directory ships no tokenizer")
-    ids = id_array(body.get("tokens"), "tokens")
+    ids = detokenize_ids(body.get("tokens"), "tokens")
     V = ctx.loaded.vocab_size
     bad = np.flatnonzero((ids < 0) | (ids >= V))
     if bad.size:

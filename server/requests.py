@@ -17,7 +17,7 @@ from typing import Awaitable, Callable, Optional
 import grpc
 
 from logitserve.engine import Piece, SharedTokens
-from logitserve.errors import InvalidRequest, NotSupported, OverLimit, Unavailable
+from logitserve.errors import InvalidRequest, NotSupported, OverLimit, TooLarge, Unavailable
 from logitserve.spec import Job
 from logitserve.validate import validate_job
 
@@ -37,7 +37,8 @@ TOKENIZE_BYTES_PER_TEXT_BYTE = 128
 
 @dataclass(frozen=True)
 class StreamLimits:
-    """Per-request and per-stream bounds, refused with RESOURCE_EXHAUSTED naming the flag."""
+    """Per-request and per-stream bounds, refused with RESOURCE_EXHAUSTED naming the flag (per-request sizes
+    as TooLarge: permanent, HTTP 413; streams and requests in flight: retry later, HTTP 429)."""
 
     max_sequences: int = 4096            # sequences in one request (--max-sequences-per-request)
     max_request_tokens: int = 1 << 20    # tokens in one request (--max-request-tokens)
@@ -70,6 +71,7 @@ class Outcome:
     job: Optional[Job] = None
     shared: int = 0                      # prompt tokens computed once for several sequences
     field: Optional[str] = None          # the request field an InvalidRequest / NotFound named
+    too_large: bool = False              # refused over a fixed per-request limit (TooLarge): retrying cannot help
 
     @property
     def ok(self) -> bool:
@@ -169,26 +171,31 @@ class Pipeline:
             self.clients.end(client)
 
     def check_rows(self, rows: int, field: str) -> None:
-        """OverLimit for an absurd row count, before a front-end builds anything per row."""
+        """TooLarge for an absurd row count, before a front-end builds anything per row."""
         if rows > self.stream_limits.max_sequences:
-            raise OverLimit(f"{field}: {rows} sequences in this request is over the server's "
-                            f"--max-sequences-per-request {self.stream_limits.max_sequences}")
+            raise TooLarge(f"{field}: {rows} sequences in this request is over the server's "
+                           f"--max-sequences-per-request {self.stream_limits.max_sequences}")
+
+    def check_tokens(self, tokens: int, field: str = "sequences") -> None:
+        """TooLarge for more tokens than --max-request-tokens; front-ends call it on the lengths a request declares,
+        before they convert a list of ids."""
+        limit = self.stream_limits.max_request_tokens
+        if tokens > limit:
+            raise TooLarge(f"{field}: {tokens} tokens in this request is over the server's --max-request-tokens "
+                           f"{limit}")
 
     def _check_size(self, job: Job) -> None:
         self.check_rows(len(job.sequences), "sequences")
-        limit = self.stream_limits.max_request_tokens
-        if job.num_tokens > limit:
-            raise OverLimit(f"sequences: {job.num_tokens} tokens in this request is over the server's "
-                            f"--max-request-tokens {limit}")
+        self.check_tokens(job.num_tokens)
 
     def _check_cost(self, job: Job):
-        """The validated request's Cost; OverLimit when its answer is over --max-response-bytes."""
+        """The validated request's Cost; TooLarge when its answer is over --max-response-bytes."""
         cost = self.scheduler.cost(job)
         limit = self.stream_limits.max_response_bytes
         if cost is not None and cost.output_bytes > limit:
-            raise OverLimit(f"outputs: this request's answer would be {cost.output_bytes / 2**20:.0f} MiB, over the "
-                            f"server's --max-response-bytes {limit / 2**20:.0f} MiB; ask for fewer sequences, a "
-                            f"smaller k or a smaller full-logits slice per request")
+            raise TooLarge(f"outputs: this request's answer would be {cost.output_bytes / 2**20:.0f} MiB, over the "
+                           f"server's --max-response-bytes {limit / 2**20:.0f} MiB; ask for fewer sequences, a "
+                           f"smaller k or a smaller full-logits slice per request")
         return cost
 
     async def tokenize(self, texts: list[str], add_special_tokens: bool, client: str, field: str = "texts",
@@ -200,8 +207,8 @@ class Pipeline:
         size = sum(len(t.encode("utf-8", "surrogatepass")) for t in texts)
         limit = self.stream_limits.max_text_bytes
         if size > limit:
-            raise OverLimit(f"{field}: {size} UTF-8 bytes in this request is over the server's --max-text-bytes "
-                            f"{limit}; send fewer or shorter texts per request, or token ids")
+            raise TooLarge(f"{field}: {size} UTF-8 bytes in this request is over the server's --max-text-bytes "
+                           f"{limit}; send fewer or shorter texts per request, or token ids")
         with self.scheduler.holding(client, size * TOKENIZE_BYTES_PER_TEXT_BYTE, f"tokenizing {size} bytes of text"):
             return await asyncio.to_thread(self.text.encode, texts, add_special_tokens, offsets)   # Rust frees the GIL
 
@@ -267,6 +274,6 @@ class Pipeline:
             raise
         except Exception as e:      # noqa: BLE001 (every error becomes its status, in one place)
             status, message = to_status(e)
-            return Outcome(status, message, job, field=getattr(e, "field", None))
+            return Outcome(status, message, job, field=getattr(e, "field", None), too_large=isinstance(e, TooLarge))
         finally:
             account(self.metrics, rid, job, status, time.monotonic() - started)

@@ -31,7 +31,7 @@ from typing import AsyncIterator, Callable, Iterator, Optional
 
 from logitserve.cost import Cost
 from logitserve.engine import Piece, SharedTokens
-from logitserve.errors import OverLimit
+from logitserve.errors import OverLimit, TooLarge
 from logitserve.spec import Job
 
 from .admission import UNKNOWN, Tally
@@ -120,8 +120,8 @@ class Scheduler:
         answer being built and sent); OverLimit naming the bound. `release` gives it back."""
         c = self.config
         if c.memory_budget_bytes is not None and nbytes > c.client_budget_bytes:
-            raise OverLimit(f"{what} needs ~{nbytes / _MiB:.0f} MiB, over half of --memory-budget "
-                            f"({c.client_budget_bytes / _MiB:.0f} MiB)")
+            raise TooLarge(f"{what} needs ~{nbytes / _MiB:.0f} MiB, over half of --memory-budget "
+                           f"({c.client_budget_bytes / _MiB:.0f} MiB)")
         with self._cond:
             self._check_budget(client, nbytes, 0)
             self._held.add(client, nbytes)
@@ -145,16 +145,16 @@ class Scheduler:
         if c.memory_budget_bytes is not None and self._estimate is not None:
             peak = self._estimate(job)
             if peak > c.memory_budget_bytes:
-                raise OverLimit(f"request needs ~{peak / _MiB:.0f} MiB at peak (longest sequence "
-                                f"{max(len(s) for s in job.sequences)} tokens), over --memory-budget "
-                                f"{c.memory_budget_bytes / _MiB:.0f} MiB")
+                raise TooLarge(f"request needs ~{peak / _MiB:.0f} MiB at peak (longest sequence "
+                               f"{max(len(s) for s in job.sequences)} tokens), over --memory-budget "
+                               f"{c.memory_budget_bytes / _MiB:.0f} MiB")
         cost = cost or self.cost(job)
         work = cost.work_tokens if cost is not None else job.num_tokens
         hold = self._hold(cost, extra_hold)
         if c.memory_budget_bytes is not None and hold + peak > c.memory_budget_bytes:
-            raise OverLimit(f"memory: this request needs ~{hold / _MiB:.0f} MiB held (its arrays and an output buffer "
-                            f"of up to --max-buffered-bytes) + ~{peak / _MiB:.0f} MiB at its peak, over --memory-budget "
-                            f"{c.memory_budget_bytes / _MiB:.0f} MiB even alone; send less per request")
+            raise TooLarge(f"memory: this request needs ~{hold / _MiB:.0f} MiB held (its arrays and an output buffer "
+                           f"of up to --max-buffered-bytes) + ~{peak / _MiB:.0f} MiB at its peak, over --memory-budget "
+                           f"{c.memory_budget_bytes / _MiB:.0f} MiB even alone; send less per request")
         with self._cond:
             if self._work.total + work > c.max_queued_tokens:
                 raise OverLimit(f"queue full: {self._work.total} tokens queued + {work} in this request > "

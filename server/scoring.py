@@ -91,8 +91,9 @@ def rows_of(job: Job, spec: ScoreSpec, out: Collected, i: int, L: int) -> Rows:
     return Rows(first, lp, rk, tv, ti, cand, nv, ni)
 
 
-def json_entries(seqs: tuple[np.ndarray, ...], spec: ScoreSpec) -> int:
-    """How many logprob entries a JSON answer to `spec` holds at most (checked before it runs)."""
+def json_entries(seqs: tuple[np.ndarray, ...], spec: ScoreSpec, candidates: int = 0) -> int:
+    """How many logprob entries a JSON answer to `spec` holds at most (checked before it runs); `candidates`: ids
+    per position when spec.candidates is not built yet (checked before the front-end expands them)."""
     starts = spec.starts or (0,) * len(seqs)
-    per_row = spec.k + 1 + (spec.candidates[0].shape[1] if spec.candidates else 0)
+    per_row = spec.k + 1 + (spec.candidates[0].shape[1] if spec.candidates else candidates)
     return sum(max(len(x) - 1 - s, 0) * per_row for x, s in zip(seqs, starts)) + len(seqs) * (spec.k + 1)

@@ -62,7 +62,7 @@ class LogitServeServicer(pb_grpc.LogitServeServicer):
         try:
             if self._pipeline.text is None:
                 raise NotSupported("ids", "this model directory ships no tokenizer")
-            tokens, texts, unk = detokenize(self._pipeline.text, list(request.ids), self._info.vocab_size)
+            tokens, texts, unk = detokenize(self._pipeline.text, request.ids, self._info.vocab_size)   # len() first
         except Exception as e:   # noqa: BLE001 (its status, in one place)
             await context.abort(*to_status(e))
         return pb.DetokenizeResponse(tokens=tokens, texts=texts, unk_token_id=unk)
@@ -201,6 +201,7 @@ class LogitServeServicer(pb_grpc.LogitServeServicer):
 
     async def _decode(self, req: pb.ForwardRequest, client: str) -> Decoded:
         ids = offsets = None
+        self._pipeline.check_rows(len(req.texts) or len(req.sequences), "texts" if req.texts else "sequences")
         if req.texts:
             if req.sequences:
                 raise InvalidRequest("texts", "set either sequences (token ids) or texts, not both")

@@ -9,6 +9,7 @@ temperature. No math here.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -18,7 +19,7 @@ from logitserve.errors import InvalidRequest, NotSupported
 from logitserve.spec import ModelKind
 
 from .http_answer import Deferred
-from .http_common import Ctx, clamp, fields, id_array, is_id_list, new_id
+from .http_common import Ctx, check_request_id, clamp, fields, id_array, is_id_list, new_id
 from .params import Param, ParamTable
 from .requests import Decoded
 from .scoring import ScoreSpec, json_entries, rows_of, score_job
@@ -59,11 +60,10 @@ async def _inputs(ctx: Ctx, body: dict, client: str) -> tuple[tuple, bool]:
         special = True
         return await ctx.tokenize(texts, special, client, "text"), not isinstance(text, str)
     if is_id_list(ids):
-        return (id_array(ids, "input_ids"),), False
+        return (ctx.ids(ids, "input_ids"),), False
     if not isinstance(ids, list) or not ids:
         raise InvalidRequest("input_ids", "a list of token ids, or a non-empty list of them, is needed")
-    ctx.pipeline.check_rows(len(ids), "input_ids")
-    return tuple(id_array(x, f"input_ids[{i}]") for i, x in enumerate(ids)), True
+    return ctx.id_lists(ids, "input_ids"), True
 
 
 def _sampling(body: dict, n: int) -> tuple[float, int]:
@@ -110,6 +110,7 @@ async def generate(ctx: Ctx, body: dict, client: str) -> Deferred:
         if ctx.loaded.kind is ModelKind.REWARD:
             raise NotSupported("input_ids", "this server holds a reward model: POST /classify")
         p = fields(body, GENERATE)
+        check_request_id(p.get("rid"), "rid")
         if p.get("stream"):
             raise InvalidRequest("stream", "this server answers whole; set stream to false")
         seqs, batched = await _inputs(ctx, body, client)
@@ -122,19 +123,16 @@ async def generate(ctx: Ctx, body: dict, client: str) -> Deferred:
                 raise InvalidRequest("logprob_start_len", f"{s} is over input {i}'s length {len(x)}")
         k = p.get("top_logprobs_num", 0) if want else 0
         cand_ids = body.get("token_ids_logprob") if want else None
-        cands = per = None
-        if cand_ids:
-            per = cand_ids if isinstance(cand_ids[0], list) else [cand_ids] * len(seqs)
-            if len(per) != len(seqs) or len({len(c) for c in per}) != 1:
-                raise InvalidRequest("token_ids_logprob", "one list of ids (the same length) for every input")
-            cands = tuple(np.tile(id_array(c, "token_ids_logprob"), (max(len(x) - 1 - s, 0), 1))
-                          for c, x, s in zip(per, seqs, starts))
+        per = ctx.candidate_lists(cand_ids, len(seqs), "token_ids_logprob") if cand_ids else None
         # nothing asked and nothing generated: the last position's logprob, zero rows of head work
-        spec = ScoreSpec(T, logprobs=want or not gen, k=k, generate=bool(gen), starts=tuple(starts),
-                         candidates=cands)
-        ctx.check_json_size(json_entries(seqs, spec), "input_token_logprobs")
-        plan = GeneratePlan(seqs, batched, spec, want, k, per if cands else None,
-                            p.get("return_text_in_logprobs", False), starts)
+        spec = ScoreSpec(T, logprobs=want or not gen, k=k, generate=bool(gen), starts=tuple(starts))
+        # every position's candidates count in the answer's size, checked before they are expanded
+        ctx.check_json_size(json_entries(seqs, spec, len(per[0]) if per else 0), "input_token_logprobs")
+        if per:
+            spec = dataclasses.replace(spec, candidates=tuple(
+                np.tile(id_array(c, "token_ids_logprob"), (max(len(x) - 1 - s, 0), 1))
+                for c, x, s in zip(per, seqs, starts)))
+        plan = GeneratePlan(seqs, batched, spec, want, k, per, p.get("return_text_in_logprobs", False), starts)
         return Decoded(score_job(seqs, spec), sequences_field="input_ids")
 
     job, out = await ctx.run(new_id("sglang"), client, decode)

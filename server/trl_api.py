@@ -55,8 +55,7 @@ async def sequence_logprobs(ctx: Ctx, body: dict, client: str) -> Deferred:
         raw = body.get("sequences")
         if not isinstance(raw, list) or not raw:
             raise InvalidRequest("sequences", "a non-empty list of token-id lists is needed")
-        ctx.pipeline.check_rows(len(raw), "sequences")
-        seqs = tuple(id_array(x, f"sequences[{i}]") for i, x in enumerate(raw))
+        seqs = ctx.id_lists(raw, "sequences")
         pls = body.get("prompt_lengths")
         if not isinstance(pls, list) or len(pls) != len(seqs):
             raise InvalidRequest("prompt_lengths", f"one prompt length per sequence is needed ({len(seqs)})")
@@ -141,10 +140,9 @@ async def _scores(ctx: Ctx, client: str, inputs, special: bool, where: str) -> t
             ctx.pipeline.check_rows(len(texts), where)
             seqs, text_ids = await ctx.tokenize(texts, special, client, where), True
         elif is_id_list(inputs) and inputs:
-            seqs, text_ids = (id_array(inputs, where),), False
+            seqs, text_ids = (ctx.ids(inputs, where),), False
         elif isinstance(inputs, list) and inputs:
-            ctx.pipeline.check_rows(len(inputs), where)
-            seqs, text_ids = tuple(id_array(x, f"{where}[{i}]") for i, x in enumerate(inputs)), False
+            seqs, text_ids = ctx.id_lists(inputs, where), False
         else:
             raise InvalidRequest(where, "a text, token ids, or a non-empty list of either is needed")
         return Decoded(Job(sequences=seqs, scores=True), sequences_field=where, text_field=where,

@@ -289,7 +289,7 @@ def test_bad_input_gets_its_status_and_the_server_keeps_serving(http_model):
     conn.putheader("Content-Length", str(65 << 20))
     conn.endheaders()
     resp = conn.getresponse()
-    assert resp.status == 429 and "--max-request-bytes" in json.loads(resp.read())["error"]["message"]
+    assert resp.status == 413 and "--max-request-bytes" in json.loads(resp.read())["error"]["message"]
     conn.close()
     got, out = post(base, "/v1/completions", {"prompt": [5, 9, 13], "prompt_logprobs": 1})
     assert got == 200 and out["choices"][0]["prompt_logprobs"][2]

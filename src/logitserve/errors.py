@@ -14,7 +14,12 @@ class InvalidRequest(LogitServeError, ValueError):
 
 
 class OverLimit(LogitServeError):
-    """The request is valid but over a configured limit or budget (gRPC RESOURCE_EXHAUSTED)."""
+    """The request is valid but over a budget or limit now: retry later (gRPC RESOURCE_EXHAUSTED, HTTP 429)."""
+
+
+class TooLarge(OverLimit):
+    """The request is over a fixed per-request limit (size, count, answer bytes): retrying it unchanged can never
+    succeed (gRPC RESOURCE_EXHAUSTED saying it is permanent; HTTP 413, which clients do not retry)."""
 
 
 class Unavailable(LogitServeError):

@@ -10,7 +10,7 @@ import numpy as np
 
 from .tokens import token_byte_spans, tokenizer_hash
 
-from .errors import InvalidRequest, NotSupported
+from .errors import InvalidRequest, NotSupported, TooLarge
 
 log = logging.getLogger("logitserve.tokenizing")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model")
@@ -38,13 +38,19 @@ class TextEncoder:
                           for t, x, o in zip(texts, out, enc["offset_mapping"]))
 
 
-MAX_DETOKENIZE = 1 << 16
+MAX_DETOKENIZE = 1 << 16      # ids per Detokenize call (gRPC) or POST /detokenize (HTTP)
+
+
+def check_detokenize_count(count: int, field: str = "ids") -> None:
+    """TooLarge for more ids than MAX_DETOKENIZE; checked on the count a request declares, before any conversion."""
+    if count > MAX_DETOKENIZE:
+        raise TooLarge(f"{field}: {count} ids is over the limit of {MAX_DETOKENIZE} per call; send them in parts")
 
 
 def detokenize(encoder: TextEncoder, ids: Sequence[int], vocab_size: int) -> tuple[list[str], list[str], int]:
-    """(vocabulary entries, each id decoded alone, unk id or -1); ids are checked against [0, V) first."""
-    if len(ids) > MAX_DETOKENIZE:
-        raise InvalidRequest("ids", f"{len(ids)} ids; at most {MAX_DETOKENIZE} per call")
+    """(vocabulary entries, each id decoded alone, unk id or -1); the count, then each id against [0, V) first."""
+    check_detokenize_count(len(ids))
+    ids = list(ids)
     for i, x in enumerate(ids):
         if not 0 <= x < vocab_size:
             raise InvalidRequest(f"ids[{i}]", f"{x} is outside [0, {vocab_size})")

@@ -25,6 +25,14 @@ def _check_int_range(field: str, value: int, lo: int, hi: int) -> None:
         raise InvalidRequest(field, f"{value} is outside [{lo}, {hi}]")
 
 
+def check_candidates_per_row(field: str, count: int, vocab: int) -> None:
+    """At most V candidate ids per position (more can only repeat ids: ask for full logits); every front-end checks
+    this before it builds the candidates' arrays."""
+    if count > vocab:
+        raise InvalidRequest(field, f"{count} candidate ids per position is over the vocabulary size {vocab}; "
+                                    f"ask for full logits instead")
+
+
 def validate_job(job: Job, limits: ModelLimits) -> None:
     """Raise InvalidRequest for the first thing in `job` outside its bound."""
     V = limits.vocab_size
@@ -82,6 +90,7 @@ def validate_job(job: Job, limits: ModelLimits) -> None:
             if cand.ndim != 2 or cand.shape[0] != rows or cand.shape[1] < 1:
                 raise InvalidRequest(f"candidates.ids[{i}]",
                                      f"shape {list(cand.shape)} must be [{what}={rows}, c] with c >= 1")
+            check_candidates_per_row(f"candidates.ids[{i}]", cand.shape[1], V)
             _check_ids(f"candidates.ids[{i}]", cand, V)
     if job.full_logits is not None:
         sl = job.full_logits
