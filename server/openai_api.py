@@ -276,7 +276,8 @@ async def generate(ctx: Ctx, body: dict, client: str) -> dict:
                          candidates=cands)
         ctx.check_json_size(json_entries((seq,), spec), "prompt_logprobs")
         state.update(p=p, seq=seq, spec=spec, prompt_k=prompt_k, sample_k=sample_k)
-        return Decoded(score_job((seq,), spec), sequences_field="token_ids")
+        return Decoded(score_job((seq,), spec), sequences_field="token_ids",
+                       temperature_field="sampling_params.temperature")
 
     s = state
     rid = body.get("request_id") if isinstance(body.get("request_id"), str) else None

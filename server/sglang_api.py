@@ -118,7 +118,8 @@ async def generate(ctx: Ctx, body: dict, client: str):
         ctx.check_json_size(json_entries(seqs, spec), "input_token_logprobs")
         state.update(seqs=seqs, batched=batched, spec=spec, want=want, k=k, cands=per if cands else None,
                      texts=p.get("return_text_in_logprobs", False), starts=starts)
-        return Decoded(score_job(seqs, spec), sequences_field="input_ids")
+        return Decoded(score_job(seqs, spec), sequences_field="input_ids",
+                       temperature_field="sampling_params.temperature")
 
     job, out = await ctx.run(new_id("sglang"), client, decode)
     s, answers = state, []

@@ -131,7 +131,8 @@ def test_a_cancelled_download_logs_one_line_without_traceback(server, caplog):
     stalled = Stalled(server.address, "gone")
     stalled.close()
     assert _head(server.address, "gone", wait_s=10).weight.shape == (32000, 256)   # its share came back
-    loud = [r for r in caplog.records if r.exc_info or r.levelno >= logging.ERROR or "ExecuteBatchError" in r.getMessage()]
+    loud = [r for r in caplog.records
+            if r.exc_info or r.levelno >= logging.ERROR or "ExecuteBatchError" in r.getMessage()]
     assert not loud, [r.getMessage() for r in loud]
     ours = [r for r in caplog.records if "Head download" in r.getMessage()]
     assert len(ours) == 1 and "ended by the client" in ours[0].getMessage()
