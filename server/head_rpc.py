@@ -13,6 +13,7 @@ A download the client cancels (or the server's stop ends) logs one line, never a
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from dataclasses import dataclass
 from typing import Optional
@@ -117,7 +118,7 @@ class HeadRpc:
         return self.slots.limits
 
     async def serve(self, request: pb.HeadRequest, context, client: str, draining: bool) -> None:
-        """HeadInfo, the weight's row bands (each under the message limit), the bias, then the chunk count."""
+        """One Head call: refused with its status, or its messages written one by one under the stall bound."""
         head = self._head
         try:
             if head is None:
@@ -138,17 +139,19 @@ class HeadRpc:
             except (_Stalled, _Gone):
                 raise asyncio.CancelledError() from None     # one small message never taken: nothing to log
             return
-        sent = [0]
-        running = True
+        sent, running = 0, True
         try:
-            await self._send(context, sent)
+            async with contextlib.aclosing(self._messages()) as messages:
+                async for msg in messages:
+                    await self._write(context, msg)
+                    sent += 1
         except _Stalled:
             self.slots.free_running()          # at once: the slot is for readers
             running = False
             message = (f"Head: the reader took no message for {self.limits.stall_s:g} s (the server's "
-                       f"--head-stall-s) after {sent[0]} messages; download cut, read as messages arrive")
+                       f"--head-stall-s) after {sent} messages; download cut, read as messages arrive")
             log.warning("Head download for %s cut: no message taken for %g s (--head-stall-s) after %d messages",
-                        client, self.limits.stall_s, sent[0])
+                        client, self.limits.stall_s, sent)
             try:     # the status waits behind the queued band: it ends the call once the client reads or leaves
                 await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, message)
             except grpc.aio.AbortError:
@@ -156,8 +159,8 @@ class HeadRpc:
             except (asyncio.CancelledError, Exception):   # noqa: BLE001 (the client left meanwhile: said already)
                 raise asyncio.CancelledError() from None
         except (asyncio.CancelledError, _Gone):
-            log.info("Head download for %s ended by the client (cancelled or disconnected) after %d messages",
-                     client, sent[0])
+            log.info("Head download for %s ended early after %d messages: the client cancelled or disconnected, "
+                     "or the server is stopping", client, sent)
             raise asyncio.CancelledError() from None   # grpc ends a cancelled call quietly; no status to send
         finally:
             if running:
@@ -170,28 +173,24 @@ class HeadRpc:
             digest = await asyncio.to_thread(head.head_hash)     # once per server; reads the whole head
         return codec.encode_head_info(head.meta, self._content_hash, digest)
 
-    async def _send(self, context, sent: list) -> None:
+    async def _messages(self):
+        """HeadInfo, the weight's row bands (each under the message limit), the bias's, then the chunk count."""
         head = self._head
         meta = head.meta
-
-        async def write(msg) -> None:
-            await self._write(context, msg)
-            sent[0] += 1
-
-        await write(await self._info())
+        yield await self._info()
         n = 0
         band = max(1, (self._max_message_bytes - codec.HEADER_ROOM) // (meta.hidden_size * meta.dtype.itemsize))
         for a in range(0, meta.vocab_size, band):
             rows = await asyncio.to_thread(head.rows, a, min(a + band, meta.vocab_size))   # [band, H]
-            await write(codec.encode_head_chunk("weight", a, rows))
+            yield codec.encode_head_chunk("weight", a, rows)
             n += 1
         bias = head.bias()
         if bias is not None:
             per = max(1, (self._max_message_bytes - codec.HEADER_ROOM) // bias.element_size())
             for a in range(0, len(bias), per):
-                await write(codec.encode_head_chunk("bias", a, bias[a : a + per]))
+                yield codec.encode_head_chunk("bias", a, bias[a : a + per])
                 n += 1
-        await write(pb.HeadResponse(num_chunks=n))
+        yield pb.HeadResponse(num_chunks=n)
 
     async def _write(self, context, msg) -> None:
         """One message under the stall bound; _Stalled past it, _Gone when the call is over on the client's side."""

@@ -135,7 +135,7 @@ def test_a_cancelled_download_logs_one_line_without_traceback(server, caplog):
             if r.exc_info or r.levelno >= logging.ERROR or "ExecuteBatchError" in r.getMessage()]
     assert not loud, [r.getMessage() for r in loud]
     ours = [r for r in caplog.records if "Head download" in r.getMessage()]
-    assert len(ours) == 1 and "ended by the client" in ours[0].getMessage()
+    assert len(ours) == 1 and "ended early" in ours[0].getMessage()
     assert "token:" in ours[0].getMessage() and ours[0].levelno == logging.INFO
 
 
