@@ -141,22 +141,28 @@ class AsyncTeacherClient(OutputsMixin):
             raise LogitServeError.from_rpc(e) from None
         return Detokenized(tuple(r.tokens), tuple(r.texts), None if r.unk_token_id < 0 else int(r.unk_token_id))
 
-    async def head_weights(self, cache=True, timeout: Optional[float] = None):
+    async def head_weights(self, cache=True, timeout: Optional[float] = None, wait_s: Optional[float] = None):
         """The teacher's lm_head as numpy arrays (a client.head.HeadWeights), verified against the server's hash;
-        `cache`: True (~/.cache/logitserve/heads, or $LOGITSERVE_CACHE), a folder, or False."""
+        `cache`: True (~/.cache/logitserve/heads, or $LOGITSERVE_CACHE), a folder, or False. While the server's
+        download slots are all taken (RESOURCE_EXHAUSTED) it waits and tries again with backoff, for at most
+        `wait_s` seconds in all (default client.head.DEFAULT_WAIT_S, 120 s; 0: never); `timeout`: each try's."""
         from pathlib import Path
 
-        from .head import default_cache, fetch_head
+        from .head import DEFAULT_WAIT_S, default_cache, fetch_head
 
         folder = default_cache() if cache is True else (Path(cache) if cache else None)
-        return await fetch_head(self._stub, self._metadata, timeout, folder)
+        return await fetch_head(self._stub, self._metadata, timeout, folder,
+                                DEFAULT_WAIT_S if wait_s is None else wait_s)
 
-    async def head(self, device=None, dtype=None, devices=None, cache=True, timeout: Optional[float] = None):
+    async def head(self, device=None, dtype=None, devices=None, cache=True, timeout: Optional[float] = None,
+                   wait_s: Optional[float] = None):
         """A torch module (client.teacher_head.TeacherHead) whose call on hidden states [..., H] returns exactly the
-        server's logits [..., V] in fp32 (`temperature=` divides them); fetched once, then from the cache."""
+        server's logits [..., V] in fp32 (`temperature=` divides them); fetched once, then from the cache
+        (`wait_s` as head_weights')."""
         from .teacher_head import TeacherHead
 
-        return TeacherHead(await self.head_weights(cache, timeout), device=device, dtype=dtype, devices=devices)
+        return TeacherHead(await self.head_weights(cache, timeout, wait_s), device=device, dtype=dtype,
+                           devices=devices)
 
     def _request(self, seqs: Sequence, wanted: Wanted, pick, bf16_as_torch: bool = False):
         async def run():

@@ -95,7 +95,7 @@ def add_parsers(sub, formatter) -> None:
     given.add_argument("--ids", help="token ids separated by commas or spaces, e.g. 1,5,9 or '1 5 9'")
     given.add_argument("--text", help="a text for the server to tokenize with the model's tokenizer")
     q.add_argument("--topk", type=int, default=5, help="top-k next tokens shown per position")
-    q.add_argument("--temperature", type=float, default=1.0, help="T > 0: logprobs of z/T")
+    q.add_argument("--temperature", type=float, default=1.0, help="T in [1e-6, 1e6]: logprobs of z/T")
     add_connection_args(q)
     h = sub.add_parser("health", help="exit 0 when a server's grpc.health.v1 says SERVING (Docker HEALTHCHECK)",
                        formatter_class=formatter)
@@ -110,7 +110,7 @@ def add_parsers(sub, formatter) -> None:
     c.add_argument("--topk", type=int, default=64, help="top-k size stored per position")
     c.add_argument("--logprobs", action="store_true", help="also the token logprobs")
     c.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="top-k values on disk")
-    c.add_argument("--temperature", type=float, default=1.0, help="T > 0: outputs of z/T")
+    c.add_argument("--temperature", type=float, default=1.0, help="T in [1e-6, 1e6]: outputs of z/T")
     c.add_argument("--shard-samples", type=int, default=256, help="samples per shard file")
     c.add_argument("--batch-samples", type=int, default=16, help="samples per request")
     c.add_argument("--in-flight", type=int, default=4, help="requests on the stream at once")

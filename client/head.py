@@ -1,11 +1,14 @@
 """The teacher's lm_head over the Head RPC: downloaded once, checked against its hash, cached on disk; numpy only."""
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import os
+import random
 import shutil
 import tempfile
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Optional
@@ -158,8 +161,41 @@ class HeadAssembly:
         return HeadWeights(self.spec, self.weight, self.bias)
 
 
-async def fetch_head(stub, metadata, timeout: Optional[float], cache: Optional[Path]) -> HeadWeights:
-    """The served head: from `cache` when a verified copy of exactly it is there, else downloaded (and cached)."""
+# A refused download (the server's slots all taken) is tried again after 0.05 s, doubling to 1 s, jittered,
+# until DEFAULT_WAIT_S have passed in all (head_weights' `wait_s`); then the refusal is raised.
+DEFAULT_WAIT_S = 120.0
+FIRST_RETRY_S, MAX_RETRY_S = 0.05, 1.0
+
+
+class _Busy(Exception):
+    """The server refused the download before sending anything (RESOURCE_EXHAUSTED): worth another try."""
+
+    def __init__(self, err: grpc.RpcError):
+        self.err = err
+
+
+async def fetch_head(stub, metadata, timeout: Optional[float], cache: Optional[Path],
+                     wait_s: float = DEFAULT_WAIT_S) -> HeadWeights:
+    """The served head: from `cache` when a verified copy of exactly it is there, else downloaded (and cached).
+    While the server's download slots are taken it waits and tries again (each try checks the cache first, so
+    one process's finished download serves the others), for at most `wait_s` seconds in all."""
+    deadline = time.monotonic() + wait_s
+    delay = FIRST_RETRY_S
+    while True:
+        try:
+            return await _fetch_once(stub, metadata, timeout, cache)
+        except _Busy as busy:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                err = LogitServeError.from_rpc(busy.err)
+                raise LogitServeError(err.code, f"{err.details} (gave up after waiting {wait_s:g} s for a "
+                                                f"download slot: head_weights' wait_s)") from None
+            await asyncio.sleep(min(left, delay * random.uniform(0.5, 1.0)))
+            delay = min(MAX_RETRY_S, delay * 2)
+
+
+async def _fetch_once(stub, metadata, timeout: Optional[float], cache: Optional[Path]) -> HeadWeights:
+    assembly = None
     try:
         if cache is not None:
             call = stub.Head(pb.HeadRequest(info_only=True), timeout=timeout, metadata=metadata)
@@ -168,7 +204,6 @@ async def fetch_head(stub, metadata, timeout: Optional[float], cache: Optional[P
                     cached = read_cached(cache, spec_of(msg.info))
                     if cached is not None:
                         return cached
-        assembly = None
         async for msg in stub.Head(pb.HeadRequest(), timeout=timeout, metadata=metadata):
             kind = msg.WhichOneof("body")
             if kind == "info":
@@ -183,5 +218,7 @@ async def fetch_head(stub, metadata, timeout: Optional[float], cache: Optional[P
             else:
                 raise _lost(f"head: {kind} before the head's info")
     except grpc.RpcError as e:
+        if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and assembly is None:
+            raise _Busy(e) from None
         raise LogitServeError.from_rpc(e) from None
     raise _lost("head: the stream ended before the last message")

@@ -67,13 +67,15 @@ class TeacherClient(OutputsMixin):
         """The ids as the server's tokenizer spells them (a Detokenized)."""
         return self._run(self._aio.detokenize(ids, timeout))
 
-    def head_weights(self, cache=True, timeout: float | None = None):
-        """The teacher's lm_head as verified numpy arrays (see AsyncTeacherClient.head_weights)."""
-        return self._run(self._aio.head_weights(cache, timeout))
+    def head_weights(self, cache=True, timeout: float | None = None, wait_s: float | None = None):
+        """The teacher's lm_head as verified numpy arrays; waits up to `wait_s` (default 120 s) while the server's
+        download slots are taken (see AsyncTeacherClient.head_weights)."""
+        return self._run(self._aio.head_weights(cache, timeout, wait_s))
 
-    def head(self, device=None, dtype=None, devices=None, cache=True, timeout: float | None = None):
+    def head(self, device=None, dtype=None, devices=None, cache=True, timeout: float | None = None,
+             wait_s: float | None = None):
         """The teacher's head as a torch module giving exactly the served logits (AsyncTeacherClient.head)."""
-        return self._run(self._aio.head(device, dtype, devices, cache, timeout))
+        return self._run(self._aio.head(device, dtype, devices, cache, timeout, wait_s))
 
     def submit(self, seqs: Sequence, wanted: Wanted, bf16_as_torch: bool = False) -> concurrent.futures.Future:
         """Send a request without waiting: many can be in flight on the one stream; cancel() reaches the server."""

@@ -35,6 +35,7 @@ from .kserve import KServeServicer
 from .gate import SERVICE_NAME, Gate, Listening, PortInUse, check_port_free, open_port  # noqa: F401 (re-exported)
 from .admission import ClientLimits
 from .http_conn import HttpLimits
+from .head_rpc import HeadLimits
 from .metrics import Metrics
 from .security import SecurityConfig
 from .requests import Pipeline, StreamLimits
@@ -74,6 +75,7 @@ class ServerConfig:
     metrics_host: str = "127.0.0.1"     # /metrics has no auth: loopback unless --metrics-host says otherwise
     limits: StreamLimits = field(default_factory=StreamLimits)
     clients: ClientLimits = field(default_factory=ClientLimits)     # per-client shares (server/admission.py)
+    head: HeadLimits = field(default_factory=HeadLimits)            # Head downloads (server/head_rpc.py)
     keepalive_s: float = 60.0           # pings on idle connections; a peer silent for keepalive_timeout_s is dropped
     keepalive_timeout_s: float = 20.0
     max_connection_idle_s: float = 3600.0   # a connection with no RPC for this long is closed (GOAWAY)
@@ -213,7 +215,7 @@ async def create_server(loaded: LoadedModel, config: ServerConfig, layout: Optio
     pipeline = Pipeline(scheduler, loaded.limits, loaded.text, metrics, config.limits, config.clients,
                         by_token=listening.auth is not None)
     head = HeadSource(loaded) if loaded.kind is ModelKind.CAUSAL_LM else None
-    add_native(LogitServeServicer(pipeline, info, config.max_message_bytes, head), gate)
+    add_native(LogitServeServicer(pipeline, info, config.max_message_bytes, head, config.head), gate)
     kpb_grpc.add_GRPCInferenceServiceServicer_to_server(
         KServeServicer(pipeline, loaded, logitserve.__version__, config.max_message_bytes), gate)
     _add_reflection(gate, (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
@@ -266,6 +268,8 @@ async def _until_stopped(running: Running, config: ServerConfig, fatal: asyncio.
 def _announce(loaded: LoadedModel, config: ServerConfig, running: Running) -> None:
     log.info("serving %s (%s, %s) tp=%d cp=%d pp=%d on %s:%d", loaded.name, loaded.content_hash,
              loaded.architecture, running.layout.tp, running.layout.cp, running.layout.pp, config.host, running.port)
+    if loaded.kind is ModelKind.CAUSAL_LM:
+        log.info("%s", config.head.describe())
     if running.metrics_port is not None:
         log.info("metrics on http://%s:%d/metrics", config.host, running.metrics_port)
     if running.http_port is not None:

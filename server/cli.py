@@ -72,6 +72,12 @@ def _serve_parser(sub, formatter) -> None:
                         "--max-in-flight; never above it)")
     p.add_argument("--stream-idle-s", type=float, default=300.0, metavar="S",
                    help="close a Forward stream with no request in flight for this long")
+    p.add_argument("--max-head-downloads", type=int, default=2, metavar="N",
+                   help="Head downloads (the whole lm_head each) in flight at once, server-wide")
+    p.add_argument("--max-head-downloads-per-client", type=int, default=None, metavar="N",
+                   help="one client's share of --max-head-downloads (none given: half of it, at least 1)")
+    p.add_argument("--head-stall-s", type=float, default=10.0, metavar="S",
+                   help="a Head download whose reader takes no message for this long is cut and frees its slot")
     p.add_argument("--no-overlap", action="store_true", help="send each piece before computing the next (for measuring)")
     p.add_argument("--no-malloc-tuning", action="store_true",
                    help="keep glibc's malloc defaults (by default: one arena, no trimming; see logitserve.hostmem)")
@@ -183,10 +189,12 @@ def _cmd_serve(args, argv: list[str]) -> int:
     from .security import SecurityConfig
     from .admission import ClientLimits
     from .http_conn import HttpLimits
+    from .head_rpc import HeadLimits
     from .requests import StreamLimits
     from .launch import spawn_local, under_torchrun
 
     try:
+        head_limits = HeadLimits(args.max_head_downloads, args.max_head_downloads_per_client, args.head_stall_s)
         parallel = ParallelConfig(tp=args.tp, cp=args.cp, collective_timeout_s=args.collective_timeout,
                                   device=args.device, pp=args.pp, pp_balance=args.pp_balance)
     except ValueError as e:
@@ -250,7 +258,7 @@ def _cmd_serve(args, argv: list[str]) -> int:
                                               args.max_streams, args.max_in_flight_per_stream, args.max_text_bytes,
                                               args.max_response_bytes),
                           clients=ClientLimits(args.max_streams_per_client, args.max_in_flight_per_client,
-                                               args.stream_idle_s, args.max_in_flight))
+                                               args.stream_idle_s, args.max_in_flight), head=head_limits)
     if under_torchrun():
         code = serve_rank(model, config, parallel)
         # The rank is done and its process groups destroyed; the interpreter's own teardown can still

@@ -46,7 +46,7 @@ MAX_ELEMENTS = 1 << 31
 
 REQUEST_PARAMETERS = ParamTable(
     Param("k", int, "top-k size (1 <= k <= V); also accepted on the requested topk_* outputs", lo=1),
-    Param("temperature", float, "T > 0: every output but scores uses z/T"),
+    Param("temperature", float, "T in [1e-6, 1e6]: every output but scores uses z/T"),
     Param("top_k", int, "token_logprobs filter: keep the k largest logits", lo=1),
     Param("top_p", float, "token_logprobs filter: keep the top set reaching probability p, 0 < p <= 1"),
     Param("topk_as_logprobs", bool, "topk_values as full-vocab logprobs instead of z/T"),
@@ -331,7 +331,8 @@ class KServeServicer(kpb_grpc.GRPCInferenceServiceServicer):
                            f"request, or use the streaming API (logitserve.v1.LogitServe/Forward), "
                            f"which chunks any answer")
         # the dense arrays and their serialized copy are held with the job
-        return Decoded(job, timeout_of(params), "parameters[timeout_s]", hold=2 * size)
+        return Decoded(job, timeout_of(params), "parameters[timeout_s]", hold=2 * size,
+                       temperature_field="parameters[temperature]")
 
     async def _infer(self, request: kpb.ModelInferRequest, client: str):
         """(response, None), or (None, (code, message)) for a failed request, through the shared pipeline."""

@@ -313,7 +313,8 @@ async def generate(ctx: Ctx, body: dict, client: str) -> Deferred:
                          candidates=cands)
         ctx.check_json_size(json_entries((seq,), spec), "prompt_logprobs", streamed=True)
         plan = GeneratePlan(p, seq, spec, prompt_k, sample_k)
-        return Decoded(score_job((seq,), spec), sequences_field="token_ids")
+        return Decoded(score_job((seq,), spec), sequences_field="token_ids",
+                       temperature_field="sampling_params.temperature")
 
     rid = request_id(body, "request_id", "generate-tokens")     # bounded: a longer one is refused in decode()
     job, out = await ctx.run(rid, client, decode)

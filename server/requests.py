@@ -60,6 +60,7 @@ class Decoded:
     text_offsets: Optional[tuple] = None  # their UTF-8 byte spans, int32 [L, 2] each (sent as INPUT_OFFSETS)
     text_field: str = "texts"            # the request field those texts came from
     sequences_field: str = "sequences"   # the request field the token ids came from
+    temperature_field: str = "temperature"   # the request field the temperature came from
 
 
 @dataclass(frozen=True)
@@ -223,6 +224,8 @@ class Pipeline:
         try:
             validate_job(decoded.job, self.limits)
         except InvalidRequest as e:   # name the request's own field: the text, not the sequence it became
+            if e.field == "temperature" and decoded.temperature_field != "temperature":
+                raise InvalidRequest(decoded.temperature_field, str(e).split(": ", 1)[1]) from None
             if not e.field.startswith("sequences"):
                 raise
             if decoded.text_ids is not None:

@@ -7,18 +7,17 @@ import time
 
 import grpc
 
-from logitserve.errors import InvalidRequest, NotSupported, OverLimit, Unavailable
+from logitserve.errors import InvalidRequest, NotSupported
 from logitserve.v1 import logitserve_pb2 as pb
 from logitserve.v1 import logitserve_pb2_grpc as pb_grpc
 
 from . import codec
+from .head_rpc import HeadLimits, HeadRpc
 from .metrics import account
 from .requests import Decoded, Pipeline
 from .status import to_status
 
 _FINISHED = object()
-# Head downloads (the whole lm_head each) served at once; more get RESOURCE_EXHAUSTED.
-MAX_HEAD_DOWNLOADS = 2
 # Response messages a stream may have queued ahead of the network: bounds memory per slow client.
 STREAM_WINDOW = 8
 
@@ -35,10 +34,11 @@ def add_to(servicer: "LogitServeServicer", gate) -> None:
 class LogitServeServicer(pb_grpc.LogitServeServicer):
     """Forward streams: each request through the shared pipeline, its pieces encoded as chunk messages."""
 
-    def __init__(self, pipeline: Pipeline, info: pb.ModelInfoResponse, max_message_bytes: int, head=None):
+    def __init__(self, pipeline: Pipeline, info: pb.ModelInfoResponse, max_message_bytes: int, head=None,
+                 head_limits: HeadLimits = HeadLimits()):
+        """`head`: the logitserve.head_export.HeadSource the Head RPC sends; None for reward models."""
         self._pipeline = pipeline
-        self._head = head                             # logitserve.head_export.HeadSource; None for reward models
-        self._head_slots = asyncio.Semaphore(MAX_HEAD_DOWNLOADS)
+        self._head = HeadRpc(head, info.content_hash, max_message_bytes, head_limits)
         self._streams: set[asyncio.Queue] = set()     # each open stream's outbox
         self._info = info
         self._identity = codec.identity_of(info)
@@ -68,39 +68,8 @@ class LogitServeServicer(pb_grpc.LogitServeServicer):
         return pb.DetokenizeResponse(tokens=tokens, texts=texts, unk_token_id=unk)
 
     async def Head(self, request, context):
-        """HeadInfo, the weight's row bands (each under the message limit), the bias, then the chunk count."""
-        head = self._head
-        try:
-            if head is None:
-                raise NotSupported("Head", "this server holds a reward model: it has no lm_head to send")
-            if self._pipeline.draining:
-                raise Unavailable("the server is shutting down")
-            if self._head_slots.locked():
-                raise OverLimit(f"Head: {MAX_HEAD_DOWNLOADS} head downloads are in flight, the server's limit; "
-                                f"retry when one ends")
-        except Exception as e:   # noqa: BLE001 (its status, in one place)
-            code, message = to_status(e)
-            context.set_code(code)
-            context.set_details(message)
-            return
-        async with self._head_slots:
-            digest = await asyncio.to_thread(head.head_hash)        # once per server; reads the whole head
-            yield codec.encode_head_info(head.meta, self._info.content_hash, digest)
-            if request.info_only:
-                return
-            meta, n = head.meta, 0
-            band = max(1, (self._max_message_bytes - codec.HEADER_ROOM) // (meta.hidden_size * meta.dtype.itemsize))
-            for a in range(0, meta.vocab_size, band):
-                rows = await asyncio.to_thread(head.rows, a, min(a + band, meta.vocab_size))   # [band, H]
-                yield codec.encode_head_chunk("weight", a, rows)
-                n += 1
-            bias = head.bias()
-            if bias is not None:
-                per = max(1, (self._max_message_bytes - codec.HEADER_ROOM) // bias.element_size())
-                for a in range(0, len(bias), per):
-                    yield codec.encode_head_chunk("bias", a, bias[a : a + per])
-                    n += 1
-            yield pb.HeadResponse(num_chunks=n)
+        """The lm_head in bands, under download slots and a stall bound (server/head_rpc.py)."""
+        await self._head.serve(request, context, self._pipeline.clients.of_grpc(context), self._pipeline.draining)
 
     async def Forward(self, request_iterator, context):
         client = self._pipeline.clients.of_grpc(context)

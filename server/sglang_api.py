@@ -133,7 +133,8 @@ async def generate(ctx: Ctx, body: dict, client: str) -> Deferred:
                 np.tile(id_array(c, "token_ids_logprob"), (max(len(x) - 1 - s, 0), 1))
                 for c, x, s in zip(per, seqs, starts)))
         plan = GeneratePlan(seqs, batched, spec, want, k, per, p.get("return_text_in_logprobs", False), starts)
-        return Decoded(score_job(seqs, spec), sequences_field="input_ids")
+        return Decoded(score_job(seqs, spec), sequences_field="input_ids",
+                       temperature_field="sampling_params.temperature")
 
     job, out = await ctx.run(new_id("sglang"), client, decode)
     return Deferred(lambda: _generate_answer(ctx, plan, job, out))

@@ -8,6 +8,14 @@ import numpy as np
 from .errors import InvalidRequest
 from .spec import Job, ModelKind, ModelLimits, WireDType
 
+# The temperatures served: logits are divided by T in float32. Below MIN_TEMPERATURE, z/T overflows to inf for
+# logits of ordinary size (T = 1e-40, a float32 subnormal, makes every logprob nan); MIN keeps z/T finite for
+# |z| < 3.4e32. Above MAX_TEMPERATURE, z/T heads for float32's subnormals and then 0 (T over 3.4e38 is inf in
+# float32), where the logits' order, and with it every rank and top-k id, is lost; MAX keeps z/T normal for
+# |z| > 1.2e-32. One rule for every front-end: all of them build a Job that is checked here.
+MIN_TEMPERATURE = 1e-6
+MAX_TEMPERATURE = 1e6
+
 
 def _check_ids(field: str, ids: np.ndarray, vocab: int) -> None:
     if ids.size == 0:
@@ -49,8 +57,9 @@ def validate_job(job: Job, limits: ModelLimits) -> None:
         _check_ids(f"sequences[{i}]", seq, V)
 
     T = job.temperature
-    if not (math.isfinite(T) and T > 0):
-        raise InvalidRequest("temperature", f"{T} must be a finite number > 0")
+    if not (math.isfinite(T) and MIN_TEMPERATURE <= T <= MAX_TEMPERATURE):
+        raise InvalidRequest("temperature", f"{T!r} must be a finite number > 0, within [{MIN_TEMPERATURE:g}, "
+                                            f"{MAX_TEMPERATURE:g}]: outside it z/T over- or underflows float32")
 
     wants_tokens = job.wants_token_outputs
     if not wants_tokens and not job.scores:
