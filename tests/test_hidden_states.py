@@ -122,7 +122,8 @@ def test_head_is_cached_verified_and_splits_over_devices(llama_server, tmp_path)
         whole = c.head(cache=False)
         split = c.head(cache=tmp_path, devices=["cpu", "cpu", "cpu"])
     assert [b - a for a, b in split.bounds] == [334, 335, 334]
-    assert torch.equal(whole(h), split(h))
+    # the same products, but each device's GEMM has its own shape: the BLAS may block the sums differently
+    assert torch.allclose(whole(h), split(h), atol=1e-6, rtol=0)
     chunks = list(whole.chunks(h, rows=4))
     assert [s.start for s, _ in chunks] == [0, 4, 8]
     assert torch.allclose(torch.cat([z for _, z in chunks]), whole(h), atol=1e-6, rtol=0)   # GEMM shapes differ
