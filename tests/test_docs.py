@@ -24,7 +24,7 @@ from conftest import CliServer
 
 ROOT = Path(__file__).parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
-BLOCK = re.compile(r"(?:<!-- (?P<note>[^>]*) -->\n)?```(?P<lang>\w*)\n(?P<body>.*?)```", re.S)
+BLOCK = re.compile(r"(?:<!-- (?P<note>[^>]*) -->\n[ \t]*)?```(?P<lang>\w*)\n(?P<body>.*?)```", re.S)
 RUNS, STARTS = "runs in tests/test_docs.py", "starts a server in tests/test_docs.py"
 TOKEN = "secret-token-1"
 ENV = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
@@ -57,7 +57,7 @@ def test_the_site_builds_strict_with_every_page_in_the_nav(tmp_path):
 def test_every_example_is_run_or_says_why_not():
     for page, note, lang, body in blocks():
         complete = lang == "python" and re.match(r"(import|from) ", body)
-        serving = lang == "bash" and re.search(r"^\s*(curl|logitserve|make serve)", body, re.M)
+        serving = lang == "bash" and re.search(r"^\s*(curl|logitserve (info|query|health|capture))", body, re.M)
         if complete or serving:
             assert note.startswith((RUNS, STARTS, "not run:")), f"{page}: {body.splitlines()[0]}"
     assert sum(note.startswith(RUNS) for *_, note, _, _ in ((p, n, lang, b) for p, n, lang, b in blocks())) >= 10
