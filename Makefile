@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 # CPU torch first: with no torch present an unpinned install would pull a multi-GB CUDA build.
 TORCH ?= torch==2.13.0
 
-.PHONY: install serve test load-test bench bench-batching bench-groups bench-http gpu-wheels gpu-check-dry
+.PHONY: install serve test docs load-test bench bench-batching bench-groups bench-http gpu-wheels gpu-check-dry
 $(STAMP): pyproject.toml setup.py proto/logitserve/v1/logitserve.proto
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
@@ -16,11 +16,15 @@ $(STAMP): pyproject.toml setup.py proto/logitserve/v1/logitserve.proto
 
 install: $(STAMP)
 
-serve: $(STAMP)  ## the server on the embedded demo model, port 50051; add ARGS="--demo reward" etc.
-	$(BIN)/logitserve serve $(ARGS)
+HTTP_PORT ?= 8000
+serve: $(STAMP)  ## the demo model: gRPC on 50051, HTTP on $(HTTP_PORT) (HTTP_PORT= for none); ARGS="--demo reward" etc.
+	$(BIN)/logitserve serve $(if $(HTTP_PORT),--http-port $(HTTP_PORT)) $(ARGS)
 
 test: $(STAMP)   ## the whole suite
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+docs: $(STAMP)  ## the documentation site into site/ (mkdocs-material); tests/test_docs.py builds it --strict
+	$(BIN)/python docs/gen_reference.py && $(BIN)/mkdocs build --strict
 
 load-test: $(STAMP)  ## the full load test: 64 streams for 60 s
 	$(BIN)/python -m pytest -q -s -m slow tests/test_load.py

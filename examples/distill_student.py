@@ -1,7 +1,7 @@
 """Distil a small student from a served teacher: forward KL on the teacher's top-64.
 
     make serve                                   # the demo teacher on 127.0.0.1:50051
-    python examples/distill_student.py           # 300 steps, writes examples/distill_student.png
+    python examples/distill_student.py           # 300 steps, writes distill_student.png in the temp dir (--plot PATH)
 
 The student (a 2-layer Llama sharing the demo teacher's tokenizer) never holds the teacher:
 each batch's top-k comes over gRPC through PrefetchingTeacher, two batches ahead of the step.
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -43,7 +44,8 @@ def main() -> int:
     ap.add_argument("--topk", type=int, default=64)
     ap.add_argument("--tail", choices=["renormalize", "zero", "bucket"], default="renormalize",
                     help="outside the teacher's top-k (logitserve.client.distill)")
-    ap.add_argument("--plot", type=Path, default=Path(__file__).with_suffix(".png"))
+    ap.add_argument("--plot", type=Path, default=Path(tempfile.gettempdir()) / "distill_student.png",
+                    help="where the loss plot goes (docs/img/distill_student.png is the committed one)")
     ap.add_argument("--losses", type=Path, help="also write the loss curve as json")
     args = ap.parse_args()
 

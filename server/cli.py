@@ -297,7 +297,8 @@ def _cmd_export(args) -> int:
     return 0
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The whole command line (docs/gen_reference.py writes docs/reference/cli.md from it)."""
     from logitserve.client import cli as client_cli
 
     formatter = argparse.ArgumentDefaultsHelpFormatter
@@ -308,6 +309,13 @@ def main(argv=None) -> int:
     _serve_parser(sub, formatter)
     client_cli.add_parsers(sub, formatter)
     _export_parser(sub, formatter)
+    return parser
+
+
+def main(argv=None) -> int:
+    from logitserve.client import cli as client_cli
+
+    parser = build_parser()
     argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv)
     from .logs import configure
