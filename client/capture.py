@@ -152,8 +152,6 @@ def capture(teacher, input_path, out, cfg: CaptureConfig = CaptureConfig(), prog
     out.mkdir(parents=True, exist_ok=True)
     _check_resumable(out, manifest)
     (out / "manifest.json").write_text(json.dumps(manifest, indent=2, sort_keys=True))
-    if cfg.format != "safetensors":
-        (out / "README.md").write_text(formats.dataset_card(cfg.format))
     if cfg.format == "distillkit":
         (out / formats.DISTILLKIT_CONFIG).write_text(formats.distillkit_config(info.vocab_size, cfg.topk, cfg.dtype))
     wanted = Wanted(temperature=cfg.temperature, logprobs=cfg.logprobs, topk=cfg.topk, topk_as_logprobs=True,

@@ -64,13 +64,6 @@ def distillkit_config(vocab_size: int, k: int, dtype: str) -> str:
             f"normalize_t: false\n")
 
 
-def dataset_card(fmt: str) -> str:
-    """README.md whose YAML names the shards, so `datasets.load_dataset(DIR)` reads them and not manifest.json."""
-    return (f"---\nconfigs:\n- config_name: default\n  data_files:\n  - split: train\n    path: shard-*.parquet\n"
-            f"---\n# logitserve capture ({fmt})\n\nA teacher's top-k written by `logitserve capture --format {fmt}`; "
-            f"manifest.json names the teacher, the input and the request.\n")
-
-
 def _lists(flat: np.ndarray, counts, pa):
     """A list<...> array of len(counts) rows over `flat` (rows of `flat` are the list items)."""
     offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
