@@ -48,9 +48,9 @@ class CaptureConfig:
     format: str = "safetensors"    # shards on disk: safetensors | axolotl | distillkit | hf (parquet)
 
 
-def _samples(path: Path) -> tuple[list, list, list]:
-    """(samples, prompt lengths, extras): ids arrays or texts, each one's prompt_length or None, and each row's
-    other fields (e.g. `messages`), which the axolotl and hf formats carry over."""
+def _samples(path: Path, keep_extras: bool = False) -> tuple[list, list, list]:
+    """(samples, prompt lengths, extras): ids arrays or texts, each one's prompt_length or None, and with
+    `keep_extras` each row's other fields (e.g. `messages`, which the axolotl and hf formats carry over)."""
     out, prompts, extras = [], [], []
     with open(path) as f:
         for n, line in enumerate(f):
@@ -69,7 +69,8 @@ def _samples(path: Path) -> tuple[list, list, list]:
             if P is not None and (not isinstance(P, int) or not 1 <= P <= len(out[-1])):
                 raise ValueError(f"{path}:{n + 1}: prompt_length {P!r} must be an integer in [1, {len(out[-1])}]")
             prompts.append(P)
-            extras.append({k: v for k, v in row.items() if k not in ("ids", "input_ids", "text", "prompt_length")})
+            extras.append({k: v for k, v in row.items() if k not in ("ids", "input_ids", "text", "prompt_length")}
+                          if keep_extras else {})
     return out, prompts, extras
 
 
@@ -143,10 +144,9 @@ def capture(teacher, input_path, out, cfg: CaptureConfig = CaptureConfig(), prog
     """Capture every sample of `input_path` into shards under `out`; returns the manifest."""
     from tqdm import tqdm
 
-    if cfg.format != "safetensors":
-        formats.check_format(cfg.format, cfg.temperature, cfg.dtype)
+    formats.check_format(cfg.format, cfg.temperature, cfg.dtype)
     input_path, out = Path(input_path), Path(out)
-    samples, prompts, extras = _samples(input_path)
+    samples, prompts, extras = _samples(input_path, keep_extras=cfg.format in formats.PASSTHROUGH)
     info = teacher.model_info()
     manifest = _manifest(info, cfg, input_path, len(samples))
     out.mkdir(parents=True, exist_ok=True)

@@ -26,6 +26,10 @@ DISTILLKIT_CONFIG = "compression_config.yaml"
 
 def check_format(fmt: str, temperature: float, dtype: str) -> None:
     """ValueError naming the flag when a format cannot hold the asked capture."""
+    if fmt == "safetensors":
+        return
+    if fmt not in PARQUET_FORMATS:
+        raise ValueError(f"--format {fmt}: choose safetensors or one of {', '.join(PARQUET_FORMATS)}")
     if fmt == "distillkit" and temperature != 1.0:
         raise ValueError(f"--format distillkit: DistillKit reads offline logprobs as temperature 1 (its "
                          f"OfflineSignalSource); capture with --temperature 1, not {temperature:g}")
@@ -127,7 +131,7 @@ def shard_table(fmt: str, t: dict, prompts: list, extras: list, cfg, vocab_size:
         cols["bytepacked_indices"] = _lists(pack_indices(i, index_bits(vocab_size)), per, pa)
         cols["labels"] = _lists(labels, lengths, pa)
     else:
-        raise ValueError(f"--format {fmt!r}: choose safetensors or one of {PARQUET_FORMATS}")
+        raise AssertionError(fmt)                              # check_format refused it before any request
     if fmt in PASSTHROUGH:
         for key in sorted({k for e in extras for k in e}):
             if key in cols:

@@ -227,6 +227,7 @@ def test_a_rerun_rebuilds_lost_shards_byte_for_byte(teacher, chats, tmp_path):
 
 
 @pytest.mark.parametrize("fmt, kw, flag", [("distillkit", {"temperature": 2.0}, "--temperature"),
+                                           ("arrow", {}, "choose safetensors"),
                                            ("hf", {"dtype": "bf16"}, "--dtype"),
                                            ("axolotl", {"dtype": "bf16"}, "--dtype")])
 def test_a_format_that_cannot_hold_the_request_is_refused_naming_the_flag(teacher, chats, tmp_path, fmt, kw, flag):
