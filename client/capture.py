@@ -23,7 +23,7 @@ import dataclasses
 import hashlib
 import json
 import os
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Iterator, Optional
@@ -157,7 +157,15 @@ def capture(teacher, input_path, out, cfg: CaptureConfig = CaptureConfig(), prog
     wanted = Wanted(temperature=cfg.temperature, logprobs=cfg.logprobs, topk=cfg.topk, topk_as_logprobs=True,
                     topk_tail=True)
     bar = tqdm(total=len(samples), unit="sample", disable=not progress, dynamic_ncols=True)
-    tokens = 0
+    with ThreadPoolExecutor(1, thread_name_prefix="capture-write") as writer:
+        _shards(teacher, out, cfg, manifest, samples, prompts, extras, info, wanted, bar, writer)
+    bar.close()
+    return manifest
+
+
+def _shards(teacher, out, cfg, manifest, samples, prompts, extras, info, wanted, bar, writer) -> None:
+    """Ask for and write each missing shard; shard s is written on `writer` while shard s+1 is asked for."""
+    tokens, written = 0, None
     for s in range(manifest["shards"]):
         first = s * cfg.shard_samples
         chunk = samples[first : first + cfg.shard_samples]
@@ -178,17 +186,22 @@ def capture(teacher, input_path, out, cfg: CaptureConfig = CaptureConfig(), prog
         ids = [r.input_ids[j] if r.input_ids is not None else np.asarray(b[j])
                for r, (b, _) in zip(results, batches) for j in range(len(b))]
         tensors = _shard_tensors(results, ids, first, cfg, chunk_prompts)
-        if cfg.format == "safetensors":
-            _save_safetensors(path, tensors, cfg)
-        else:
-            formats.write_shard(path, formats.shard_table(cfg.format, tensors, chunk_prompts,
-                                                          extras[first : first + cfg.shard_samples], cfg,
-                                                          info.vocab_size))
+        if written is not None:
+            written.result()                           # at most one shard waits to be written
+        written = writer.submit(_write_shard, path, tensors, cfg, chunk_prompts,
+                                extras[first : first + cfg.shard_samples], info.vocab_size)
         tokens += sum(len(x) for x in ids)
         bar.update(len(chunk))
         bar.set_postfix(tok_s=f"{tokens / max(bar.format_dict['elapsed'], 1e-9):,.0f}")
-    bar.close()
-    return manifest
+    if written is not None:
+        written.result()
+
+
+def _write_shard(path: Path, tensors: dict, cfg: CaptureConfig, prompts: list, extras: list, vocab_size: int) -> None:
+    if cfg.format == "safetensors":
+        _save_safetensors(path, tensors, cfg)
+    else:
+        formats.write_shard(path, formats.shard_table(cfg.format, tensors, prompts, extras, cfg, vocab_size))
 
 
 def _save_safetensors(path: Path, tensors: dict, cfg: CaptureConfig) -> None:
