@@ -12,6 +12,9 @@ $(STAMP): pyproject.toml setup.py proto/logitserve/v1/logitserve.proto
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet $(TORCH)
 	$(BIN)/pip install --quiet -e ".[test]"
+	# Axolotl's KD dataset loader, read back by tests/test_capture_formats.py: without its deps, which pin another
+	# transformers (those its loader imports are in the test extra)
+	$(BIN)/pip install --quiet --no-deps "axolotl==0.19.0"
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -1,4 +1,4 @@
-"""Offline capture of a teacher's top-k for a whole dataset into safetensors shards, resumable, and their reader.
+"""Offline capture of a teacher's top-k for a whole dataset into shards, resumable, and the safetensors reader.
 
 Input: jsonl, one sample per line, `{"ids": [...]}` (or `input_ids`) or `{"text": "..."}` for
 the server to tokenize; an ids sample may carry `"prompt_length": P` (TRL's meaning: the first P
@@ -13,7 +13,9 @@ A shard is written to a temporary name and renamed, so it exists whole or not at
 rerun skips the shards present (after checking the manifest names the same teacher, input
 and request). Against a teacher serving `--batching exact` a resumed capture equals an
 uninterrupted one byte for byte; under `packed`, values agree within the packed bound.
-Needs numpy, safetensors and tqdm (`pip install logitserve[capture]`); no torch.
+With `format` axolotl, distillkit or hf the shards are `shard-00000.parquet` in that trainer's layout
+(capture_formats.py, docs/capture.md), written, skipped on a rerun and checked against the manifest the same way.
+Needs numpy, safetensors, pyarrow and tqdm (`pip install logitserve[capture]`); no torch.
 """
 from __future__ import annotations
 
@@ -21,13 +23,14 @@ import dataclasses
 import hashlib
 import json
 import os
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Iterator, Optional
 
 import numpy as np
 
+from . import capture_formats as formats
 from .wire import Wanted
 
 FORMAT = "logitserve-capture-v1"
@@ -42,11 +45,13 @@ class CaptureConfig:
     shard_samples: int = 256       # samples per shard
     batch_samples: int = 16        # samples per request
     in_flight: int = 4             # requests on the stream at once
+    format: str = "safetensors"    # shards on disk: safetensors | axolotl | distillkit | hf (parquet)
 
 
-def _samples(path: Path) -> tuple[list, list]:
-    """(samples, prompt lengths): ids arrays or texts, and each one's prompt_length or None."""
-    out, prompts = [], []
+def _samples(path: Path, keep_extras: bool = False) -> tuple[list, list, list]:
+    """(samples, prompt lengths, extras): ids arrays or texts, each one's prompt_length or None, and with
+    `keep_extras` each row's other fields (e.g. `messages`, which the axolotl and hf formats carry over)."""
+    out, prompts, extras = [], [], []
     with open(path) as f:
         for n, line in enumerate(f):
             if not line.strip():
@@ -64,7 +69,9 @@ def _samples(path: Path) -> tuple[list, list]:
             if P is not None and (not isinstance(P, int) or not 1 <= P <= len(out[-1])):
                 raise ValueError(f"{path}:{n + 1}: prompt_length {P!r} must be an integer in [1, {len(out[-1])}]")
             prompts.append(P)
-    return out, prompts
+            extras.append({k: v for k, v in row.items() if k not in ("ids", "input_ids", "text", "prompt_length")}
+                          if keep_extras else {})
+    return out, prompts, extras
 
 
 def _file_hash(path: Path) -> str:
@@ -87,6 +94,7 @@ def _check_resumable(out: Path, manifest: dict) -> None:
     if not path.exists():
         return
     old = json.loads(path.read_text())
+    old.get("request", {}).setdefault("format", "safetensors")       # captures from before --format
     for key in ("format", "input", "teacher", "request"):
         if old.get(key) != manifest[key]:
             raise ValueError(f"{out} holds a capture of another {key} ({old.get(key)} != {manifest[key]}): "
@@ -134,24 +142,35 @@ def _batches(chunk: list, prompts: list, size: int) -> list[tuple[list, list]]:
 
 def capture(teacher, input_path, out, cfg: CaptureConfig = CaptureConfig(), progress: bool = True) -> dict:
     """Capture every sample of `input_path` into shards under `out`; returns the manifest."""
-    from safetensors.numpy import save_file
     from tqdm import tqdm
 
+    formats.check_format(cfg.format, cfg.temperature, cfg.dtype)
     input_path, out = Path(input_path), Path(out)
-    samples, prompts = _samples(input_path)
-    manifest = _manifest(teacher.model_info(), cfg, input_path, len(samples))
+    samples, prompts, extras = _samples(input_path, keep_extras=cfg.format in formats.PASSTHROUGH)
+    info = teacher.model_info()
+    manifest = _manifest(info, cfg, input_path, len(samples))
     out.mkdir(parents=True, exist_ok=True)
     _check_resumable(out, manifest)
     (out / "manifest.json").write_text(json.dumps(manifest, indent=2, sort_keys=True))
+    if cfg.format == "distillkit":
+        (out / formats.DISTILLKIT_CONFIG).write_text(formats.distillkit_config(info.vocab_size, cfg.topk, cfg.dtype))
     wanted = Wanted(temperature=cfg.temperature, logprobs=cfg.logprobs, topk=cfg.topk, topk_as_logprobs=True,
                     topk_tail=True)
     bar = tqdm(total=len(samples), unit="sample", disable=not progress, dynamic_ncols=True)
-    tokens = 0
+    with ThreadPoolExecutor(1, thread_name_prefix="capture-write") as writer:
+        _shards(teacher, out, cfg, manifest, samples, prompts, extras, info, wanted, bar, writer)
+    bar.close()
+    return manifest
+
+
+def _shards(teacher, out, cfg, manifest, samples, prompts, extras, info, wanted, bar, writer) -> None:
+    """Ask for and write each missing shard; shard s is written on `writer` while shard s+1 is asked for."""
+    tokens, written = 0, None
     for s in range(manifest["shards"]):
         first = s * cfg.shard_samples
         chunk = samples[first : first + cfg.shard_samples]
         chunk_prompts = prompts[first : first + cfg.shard_samples]
-        path = out / f"shard-{s:05d}.safetensors"
+        path = out / f"shard-{s:05d}.{'safetensors' if cfg.format == 'safetensors' else 'parquet'}"
         if path.exists():                              # finished by an earlier run
             bar.update(len(chunk))
             continue
@@ -166,16 +185,32 @@ def capture(teacher, input_path, out, cfg: CaptureConfig = CaptureConfig(), prog
         results += [f.result() for f in pending]
         ids = [r.input_ids[j] if r.input_ids is not None else np.asarray(b[j])
                for r, (b, _) in zip(results, batches) for j in range(len(b))]
-        tmp = path.with_suffix(".tmp")
-        # one metadata key: safetensors writes its metadata map in no fixed order, and shards must be byte-stable
-        save_file(_shard_tensors(results, ids, first, cfg, chunk_prompts), str(tmp),
-                  metadata={"format": f"{FORMAT}/{cfg.dtype}"})
-        os.replace(tmp, path)
+        tensors = _shard_tensors(results, ids, first, cfg, chunk_prompts)
+        if written is not None:
+            written.result()                           # at most one shard waits to be written
+        written = writer.submit(_write_shard, path, tensors, cfg, chunk_prompts,
+                                extras[first : first + cfg.shard_samples], info.vocab_size)
         tokens += sum(len(x) for x in ids)
         bar.update(len(chunk))
         bar.set_postfix(tok_s=f"{tokens / max(bar.format_dict['elapsed'], 1e-9):,.0f}")
-    bar.close()
-    return manifest
+    if written is not None:
+        written.result()
+
+
+def _write_shard(path: Path, tensors: dict, cfg: CaptureConfig, prompts: list, extras: list, vocab_size: int) -> None:
+    if cfg.format == "safetensors":
+        _save_safetensors(path, tensors, cfg)
+    else:
+        formats.write_shard(path, formats.shard_table(cfg.format, tensors, prompts, extras, cfg, vocab_size))
+
+
+def _save_safetensors(path: Path, tensors: dict, cfg: CaptureConfig) -> None:
+    from safetensors.numpy import save_file
+
+    tmp = path.with_suffix(".tmp")
+    # one metadata key: safetensors writes its metadata map in no fixed order, and shards must be byte-stable
+    save_file(tensors, str(tmp), metadata={"format": f"{FORMAT}/{cfg.dtype}"})
+    os.replace(tmp, path)
 
 
 @dataclass
@@ -197,6 +232,9 @@ def read_capture(directory) -> Iterator[CapturedSample]:
     manifest = json.loads((directory / "manifest.json").read_text())
     if manifest.get("format") != FORMAT:
         raise ValueError(f"{directory}: not a {FORMAT} capture")
+    if manifest["request"].get("format", "safetensors") != "safetensors":
+        raise ValueError(f"{directory}: a --format {manifest['request']['format']} capture (parquet): read it with "
+                         f"its trainer or datasets.load_dataset (docs/capture.md)")
     bf16 = manifest["request"]["dtype"] == "bf16"
     for s in range(manifest["shards"]):
         path = directory / f"shard-{s:05d}.safetensors"

@@ -102,14 +102,18 @@ def add_parsers(sub, formatter) -> None:
     h.add_argument("address", nargs="?", default=f"127.0.0.1:{DEFAULT_PORT}", help="host[:port] of the server")
     h.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the answer")
     add_connection_args(h, wait=False)
-    c = sub.add_parser("capture", help="capture a teacher's top-k for a jsonl dataset into safetensors shards",
+    c = sub.add_parser("capture", help="capture a teacher's top-k for a jsonl dataset into shards (safetensors, or "
+                                       "parquet for Axolotl, DistillKit or Hugging Face datasets)",
                        formatter_class=formatter)
     c.add_argument("address", help=f"host[:port] of the server (port {DEFAULT_PORT} when omitted)")
     c.add_argument("--input", required=True, help='jsonl: {"ids": [...]} or {"text": "..."} per line')
     c.add_argument("--out", required=True, help="directory of shards + manifest.json; a rerun resumes")
     c.add_argument("--topk", type=int, default=64, help="top-k size stored per position")
     c.add_argument("--logprobs", action="store_true", help="also the token logprobs")
-    c.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="top-k values on disk")
+    c.add_argument("--format", choices=["safetensors", "axolotl", "distillkit", "hf"], default="safetensors",
+                   help="shards on disk: safetensors, or parquet as Axolotl KD v2 rows, DistillKit's compressed rows "
+                        "or a Hugging Face dataset (docs/capture.md)")
+    c.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="top-k values on disk (safetensors, distillkit)")
     c.add_argument("--temperature", type=float, default=1.0, help="T in [1e-6, 1e6]: outputs of z/T")
     c.add_argument("--shard-samples", type=int, default=256, help="samples per shard file")
     c.add_argument("--batch-samples", type=int, default=16, help="samples per request")
@@ -242,18 +246,24 @@ def cmd_capture(args) -> int:
 
     from .capture import CaptureConfig, capture, verify
 
-    missing = [m for m in ("safetensors", "tqdm") if importlib.util.find_spec(m) is None]
+    needs = ("safetensors", "tqdm") if args.format == "safetensors" else ("pyarrow", "tqdm")
+    missing = [m for m in needs if importlib.util.find_spec(m) is None]
     if missing:
         print(f"logitserve capture needs the capture extra ({', '.join(missing)} missing here): "
               f"pip install 'logitserve[capture]'", file=sys.stderr)
         return 2
     cfg = CaptureConfig(topk=args.topk, logprobs=args.logprobs, dtype=args.dtype, temperature=args.temperature,
-                        shard_samples=args.shard_samples, batch_samples=args.batch_samples, in_flight=args.in_flight)
+                        shard_samples=args.shard_samples, batch_samples=args.batch_samples, in_flight=args.in_flight,
+                        format=args.format)
+    if args.verify and args.format != "safetensors":
+        print("--verify re-reads safetensors shards: capture with --format safetensors to verify", file=sys.stderr)
+        return 2
     t0 = time.perf_counter()
     with connect(args) as c:
         manifest = capture(c, args.input, args.out, cfg, progress=not args.no_progress)
         took = time.perf_counter() - t0
-        shards = sorted(Path(args.out).glob("shard-*.safetensors"))
+        shards = sorted(Path(args.out).glob("shard-*.safetensors" if args.format == "safetensors" else
+                                            "shard-*.parquet"))
         print(f"captured {manifest['input']['samples']} samples into {len(shards)} shards in {took:.1f} s "
               f"({sum(f.stat().st_size for f in shards) / 2**20:.1f} MiB) under {args.out}")
         if args.verify:
