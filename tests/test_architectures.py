@@ -6,10 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import CliServer, serve_dir
-from helpers import Reference, random_seqs
+from helpers import CliServer, Reference, check_every_output, random_seqs, serve_dir
 from logitserve.client import TeacherClient
-from test_head_transforms import _check_every_output
 
 V = 1003
 BASE = dict(vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -63,7 +61,7 @@ def dirs(tmp_path_factory):
 
 def _check(address, ref):
     """Every output against float64 (the head-transform tests' check); the server's ModelInfo."""
-    _check_every_output(address, ref, random_seqs(np.random.default_rng(91), [1, 5, 37, 70], vocab=V))
+    check_every_output(address, ref, random_seqs(np.random.default_rng(91), [1, 5, 37, 70], vocab=V))
     with TeacherClient(address) as c:
         return c.model_info()
 

@@ -12,8 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import serve_dir
-from helpers import VOCAB, build_model
+from helpers import VOCAB, build_model, serve_dir
 from logitserve.client import TeacherClient
 from logitserve.client.capture import CaptureConfig, capture, read_capture, verify
 

@@ -13,9 +13,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import CliServer
+from helpers import CliServer, OVERHEAD, Rss
 from logitserve.client import TeacherClient
-from test_isolation import OVERHEAD, Rss
 
 MiB = 2 ** 20
 TOKENS = ("polite", "stall", "hoard", "big", "storm")

@@ -4,7 +4,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from conftest import CliServer
+from helpers import CliServer
 from logitserve.loading import content_hash
 
 

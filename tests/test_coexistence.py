@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from conftest import CliServer
+from helpers import CliServer
 
 ROOT = Path(__file__).parent.parent
 

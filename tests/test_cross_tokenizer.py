@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import serve_dir
+from helpers import serve_dir
 from logitserve.client import TeacherClient
 from logitserve.client.align import align_by_byte_offsets, shared_vocabulary, token_byte_offsets
 from logitserve.client.gold import gold_loss

@@ -6,9 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import ServerThread, random_seqs, ref_token_logprobs
+from helpers import ServerThread, assert_close, random_seqs, ref_token_logprobs
 from logitserve.client import LogitServeError, TeacherClient
-from test_outputs import _close
 
 
 def test_a_request_that_runs_out_of_memory_alone_gets_resource_exhausted(model_dirs):
@@ -61,7 +60,7 @@ def test_a_request_that_runs_out_of_memory_alone_gets_resource_exhausted(model_d
         assert isinstance(err, LogitServeError) and err.code.name == "RESOURCE_EXHAUSTED", err
         assert "memory" in str(err) and "simulated" in str(err)
         for seq, lp in zip(small, results["small"]):
-            _close(lp, ref_token_logprobs(ref.logits(seq), seq))
+            assert_close(lp, ref_token_logprobs(ref.logits(seq), seq))
         with TeacherClient(server.address) as c:                        # and it keeps serving
             assert len(c.logprobs(small)) == 2
     finally:

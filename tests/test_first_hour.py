@@ -122,7 +122,7 @@ def test_detokenize_spells_ids_as_the_models_tokenizer_does(demo_cli_server, mod
     assert list(d.tokens) == ref.convert_ids_to_tokens(ids)
     assert list(d.texts) == [ref.decode([x]) for x in ids] and d.unk_token_id == ref.unk_token_id == 0
     assert bad.value.code.name == "INVALID_ARGUMENT" and "ids[1]: 32000 is outside [0, 32000)" in bad.value.details
-    from conftest import serve_dir
+    from helpers import serve_dir
 
     bare = serve_dir(model_dirs["llama"])             # a directory without tokenizer files
     try:

@@ -14,8 +14,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import CliServer
-from helpers import ref_token_logprobs
+from helpers import CliServer, ref_token_logprobs
 from logitserve.client import TeacherClient
 from logitserve.kserve import grpc_predict_v2_pb2 as kpb
 from logitserve.kserve import grpc_predict_v2_pb2_grpc as kpb_grpc

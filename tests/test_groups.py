@@ -7,8 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import CliServer, serve_dir
-from helpers import Reference, build_model, filter_rows_decided, ref_token_logprobs
+from helpers import CliServer, Reference, build_model, filter_rows_decided, ref_token_logprobs, serve_dir
 from logitserve.client import LogitServeError, TeacherClient
 
 V = 1003

@@ -14,10 +14,8 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import CliServer, serve_dir
-from helpers import Reference, random_seqs
+from helpers import CliServer, Reference, build_transformed_head, random_seqs, serve_dir
 from logitserve.client import LogitServeError, TeacherClient
-from test_head_transforms import _build as build_transformed
 
 V = 1003
 LENGTHS = [1, 7, 40, 19]
@@ -39,7 +37,7 @@ def _tied(directory):
 @pytest.fixture(scope="module")
 def dirs(tmp_path_factory, model_dirs):
     root = tmp_path_factory.mktemp("hidden")
-    return {"llama": model_dirs["llama"], "tied": _tied(root / "tied"), "gemma2": build_transformed(root / "gemma2", "gemma2")}
+    return {"llama": model_dirs["llama"], "tied": _tied(root / "tied"), "gemma2": build_transformed_head(root / "gemma2", "gemma2")}
 
 
 def _rebuild_matches(address, ref: Reference, cache, tied: bool, softcap: float):

@@ -13,7 +13,7 @@ import grpc
 import numpy as np
 import pytest
 
-from conftest import CliServer
+from helpers import CliServer, OVERHEAD, Rss
 from logitserve.client import TeacherClient
 from logitserve.kserve import grpc_predict_v2_pb2 as kpb
 from logitserve.kserve import grpc_predict_v2_pb2_grpc as kpb_grpc
@@ -23,9 +23,6 @@ from logitserve.v1 import logitserve_pb2_grpc as pb_grpc
 V = 32000              # the demo model's vocabulary
 MiB = 2 ** 20
 TOKENS = ("alpha-token", "beta-token", "gamma-token")
-# What RSS may exceed --memory-budget by: the request messages being received and decoded before they are
-# admitted (one per stream at a time), the allocator's slack, and one head chunk's temporaries.
-OVERHEAD = 512 * MiB
 
 
 def ids_tensor(seq) -> pb.Tensor:
@@ -39,60 +36,6 @@ def full_logits_request(rid: str, n: int, length: int) -> pb.ForwardRequest:
         req.sequences.append(ids_tensor(rng.integers(3, V, length)))
     req.full_logits.SetInParent()
     return req
-
-
-def _tree(pid: int) -> list[int]:
-    """pid and its descendants (a TP server's ranks are the launcher's children)."""
-    out, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        out.append(p)
-        try:
-            with open(f"/proc/{p}/task/{p}/children") as f:
-                todo += [int(c) for c in f.read().split()]
-        except OSError:
-            pass
-    return out
-
-
-class Rss:
-    """The server's resident memory (its process and their children: every rank), sampled every 20 ms: `peak`
-    of the sum since start()."""
-
-    def __init__(self, pid: int):
-        self.pid, self.peak, self._stop = pid, 0, threading.Event()
-
-    def now(self) -> int:
-        total = 0
-        for p in _tree(self.pid):
-            try:
-                with open(f"/proc/{p}/statm") as f:
-                    total += int(f.read().split()[1]) * 4096
-            except OSError:
-                pass
-        return total
-
-    def __enter__(self):
-        self.base = self.peak = self.now()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-        return self
-
-    def _run(self):
-        while not self._stop.is_set():
-            try:
-                self.peak = max(self.peak, self.now())
-            except OSError:
-                return
-            time.sleep(0.02)
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        self._thread.join()
-
-    @property
-    def growth(self) -> int:
-        return self.peak - self.base
 
 
 def latencies(address: str, n: int, token=None, length: int = 16) -> list[float]:

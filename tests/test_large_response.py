@@ -4,8 +4,7 @@ from __future__ import annotations
 import grpc
 import numpy as np
 
-from conftest import serve_dir
-from helpers import Reference, build_model
+from helpers import Reference, build_model, serve_dir
 from logitserve.client import TeacherClient
 from logitserve.v1 import logitserve_pb2 as pb
 from logitserve.v1 import logitserve_pb2_grpc as pb_grpc

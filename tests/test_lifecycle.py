@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from conftest import CliServer, serve_dir
+from helpers import CliServer, serve_dir
 from logitserve.client import LogitServeError, TeacherClient, Wanted
 from logitserve.server.requests import StreamLimits
 

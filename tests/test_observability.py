@@ -9,7 +9,7 @@ import grpc
 import numpy as np
 import pytest
 
-from conftest import CliServer, serve_dir
+from helpers import CliServer, serve_dir
 from logitserve.client import LogitServeError, TeacherClient
 
 

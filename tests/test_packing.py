@@ -6,11 +6,9 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import CliServer, serve_dir
-from helpers import Reference, build_model, filter_rows_decided, random_seqs, ref_token_logprobs
+from helpers import (CliServer, PACKED_ATOL, Reference, assert_close, build_model, filter_rows_decided, random_seqs,
+                    ref_token_logprobs, separated, serve_dir)
 from logitserve.client import TeacherClient
-from test_outputs import _close, _separated
-from test_scheduler import PACKED_ATOL
 
 V = 1003
 MAX_POS = 1024
@@ -56,14 +54,14 @@ def test_packed_equals_exact_and_reference_on_random_mixes(pair):
         for name in ("logprobs", "topk_values", "candidate_logprobs", "full_logits"):   # the documented bound
             np.testing.assert_allclose(getattr(got, name)[j], getattr(want, name)[j], atol=PACKED_ATOL, rtol=0)
         z = ref.logits(seq, 0.8)                                                            # [L, V] float64
-        _close(got.logprobs[j], ref_token_logprobs(z, seq))
+        assert_close(got.logprobs[j], ref_token_logprobs(z, seq))
         sorted_v, sorted_i = torch.sort(z, -1, descending=True)
-        _close(got.topk_values[j], sorted_v[:, :12].numpy())
-        sep = _separated(sorted_v.numpy(), 12)
+        assert_close(got.topk_values[j], sorted_v[:, :12].numpy())
+        sep = separated(sorted_v.numpy(), 12)
         assert np.array_equal(got.topk_ids[j][sep], sorted_i[:, :12].numpy()[sep])
         assert np.array_equal(got.topk_ids[j][sep], want.topk_ids[j][sep])
-        _close(got.candidate_logprobs[j], torch.log_softmax(z, -1).gather(-1, torch.as_tensor(cands[j])).numpy())
-        _close(got.full_logits[j], z[:, 100:180].numpy())
+        assert_close(got.candidate_logprobs[j], torch.log_softmax(z, -1).gather(-1, torch.as_tensor(cands[j])).numpy())
+        assert_close(got.full_logits[j], z[:, 100:180].numpy())
 
 
 @pytest.mark.parametrize("top_k,top_p,temperature", [(20, None, 1.0), (None, 0.7, 1.3), (64, 0.9, 0.6)])
@@ -78,7 +76,7 @@ def test_packed_filtered_logprobs_equal_reference(pair, top_k, top_p, temperatur
         # lp[t] reads row t-1: compare where that row's kept set is decided beyond fp32 rounding
         rows = np.concatenate([[True], filter_rows_decided(z, top_k, top_p)[:-1]])
         decided += rows.sum()
-        _close(got.logprobs[j][rows], ref_token_logprobs(z, seq, top_k=top_k, top_p=top_p)[rows])
+        assert_close(got.logprobs[j][rows], ref_token_logprobs(z, seq, top_k=top_k, top_p=top_p)[rows])
         np.testing.assert_allclose(got.logprobs[j][rows], want.logprobs[j][rows], atol=PACKED_ATOL, rtol=0)
     assert decided >= 0.95 * sum(len(s) for s in seqs)
 
@@ -99,7 +97,7 @@ def test_no_sequence_sees_another(pair):
         assert same == (j != victim), j
     alone = _forward(packed, [seqs[3]], **kw)
     np.testing.assert_allclose(a.full_logits[3], alone.full_logits[0], atol=PACKED_ATOL, rtol=0)
-    _close(a.full_logits[3], ref.logits(seqs[3])[:, :50].numpy())
+    assert_close(a.full_logits[3], ref.logits(seqs[3])[:, :50].numpy())
 
 
 def test_packed_reward_scores_equal_reference_and_exact(dirs):
@@ -136,10 +134,10 @@ def test_packed_under_tp2_equals_reference_and_isolates_sequences(dirs):
     assert info.tp_size == 2 and info.batching == "packed" and a.batching == "packed"
     for j, seq in enumerate(seqs):
         z = ref.logits(seq, 0.9)
-        _close(a.logprobs[j], ref_token_logprobs(z, seq))
-        _close(a.full_logits[j], z[:, 490:520].numpy())
+        assert_close(a.logprobs[j], ref_token_logprobs(z, seq))
+        assert_close(a.full_logits[j], z[:, 490:520].numpy())
         sorted_v, sorted_i = torch.sort(z, -1, descending=True)
-        sep = _separated(sorted_v.numpy(), 6)
+        sep = separated(sorted_v.numpy(), 6)
         assert np.array_equal(a.topk_ids[j][sep], sorted_i[:, :6].numpy()[sep])
         same = np.array_equal(a.logprobs[j], b.logprobs[j]) and np.array_equal(a.full_logits[j], b.full_logits[j])
         assert same == (j != 2), j
@@ -340,8 +338,8 @@ def test_packed_gemma2_capped_scores_and_sliding_window_equal_reference(tmp_path
         server.stop()
     for j, seq in enumerate(seqs):
         z = ref.logits(seq)
-        _close(got.logprobs[j], ref_token_logprobs(z, seq))
-        _close(got.full_logits[j], z[:, :64].numpy())
+        assert_close(got.logprobs[j], ref_token_logprobs(z, seq))
+        assert_close(got.full_logits[j], z[:, :64].numpy())
 
 
 def test_flash_varlen_without_enable_gqa_repeats_the_kv_heads(monkeypatch):

@@ -12,8 +12,8 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import CliServer
 
-from conftest import CliServer
 
 README = (Path(__file__).parent.parent / "README.md").read_text()
 BLOCK = re.compile(r"(?:<!-- (?P<note>[^>]*) -->\n)?```(?P<lang>\w*)\n(?P<body>.*?)```", re.S)

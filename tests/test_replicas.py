@@ -8,8 +8,7 @@ import grpc
 import numpy as np
 import pytest
 
-from conftest import serve_dir
-from helpers import VOCAB, random_seqs
+from helpers import VOCAB, random_seqs, serve_dir
 from logitserve.client import LogitServeError, TeacherClient, Wanted
 
 

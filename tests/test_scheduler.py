@@ -8,31 +8,11 @@ import grpc
 import numpy as np
 import pytest
 
-from conftest import serve_dir
-from helpers import VOCAB, random_seqs
+from helpers import FIELDS, VOCAB, random_request, random_seqs, serve_dir, within_packed_bound
 from logitserve.client import AsyncTeacherClient, LogitServeError, TeacherClient
 from logitserve.server.scheduler import SchedulerConfig
 from logitserve.v1 import logitserve_pb2 as pb
 from logitserve.v1 import logitserve_pb2_grpc as pb_grpc
-
-FIELDS = ("logprobs", "topk_values", "topk_ids", "candidate_logprobs", "full_logits")
-
-
-def _random_request(rng: np.random.Generator) -> dict:
-    seqs = random_seqs(rng, rng.integers(1, 90, rng.integers(1, 4)))
-    kind = rng.integers(0, 5)
-    req = dict(seqs=seqs, temperature=float(rng.choice([1.0, 0.7, 1.3])))
-    if kind == 0:
-        req.update(logprobs=True)
-    elif kind == 1:
-        req.update(logprobs=True, top_k=int(rng.integers(1, 60)), top_p=float(rng.choice([0.5, 0.9, 1.0])))
-    elif kind == 2:
-        req.update(topk=int(rng.integers(1, 40)), topk_as_logprobs=bool(rng.integers(0, 2)))
-    elif kind == 3:
-        req.update(candidates=[rng.integers(0, VOCAB, (len(s), 3)) for s in seqs], logprobs=True)
-    else:
-        req.update(full_logits=True, vocab_range=(10, 400), logits_dtype="bf16")
-    return req
 
 
 def _same(a, b) -> None:
@@ -41,29 +21,6 @@ def _same(a, b) -> None:
         assert (x is None) == (y is None), name
         for u, v in zip(x or [], y or []):
             assert u.dtype == v.dtype and np.array_equal(u, v, equal_nan=True), name
-
-
-PACKED_ATOL = 1e-5   # README: packed results are within this of per-sequence results (fp32)
-
-
-def within_packed_bound(a, b) -> None:
-    """a (packed, batched) against b (alone): fp32 within PACKED_ATOL, bf16 within one bf16 step,
-    top-k ids identical wherever the sorted values are more than PACKED_ATOL apart."""
-    for name in FIELDS:
-        x, y = getattr(a, name), getattr(b, name)
-        assert (x is None) == (y is None), name
-        for u, v in zip(x or [], y or []):
-            assert u.dtype == v.dtype and u.shape == v.shape, name
-            if name == "topk_ids":
-                continue
-            rtol = 2.0 ** -7 if name == "full_logits" else 0    # _random_request's slices travel as bf16
-            np.testing.assert_allclose(u, v, atol=PACKED_ATOL, rtol=rtol, err_msg=name)
-    for vals, u, v in zip(a.topk_values or [], a.topk_ids or [], b.topk_ids or []):
-        gap = np.diff(-vals, axis=-1)                                   # [L, k-1] >= 0
-        sep = np.ones_like(u, dtype=bool)
-        sep[:, 1:] &= gap > PACKED_ATOL
-        sep[:, :-1] &= gap > PACKED_ATOL
-        assert np.array_equal(u[sep], v[sep]), "topk_ids"
 
 
 @pytest.fixture(scope="module")
@@ -88,7 +45,7 @@ def _concurrently(server, requests: list[dict]) -> list:
 
 def test_exact_mode_results_are_bitwise_identical_alone_and_batched(batching_server):
     rng = np.random.default_rng(31)
-    requests = [_random_request(rng) for _ in range(40)]
+    requests = [random_request(rng) for _ in range(40)]
     before = batching_server.running.scheduler.batches_run
     batched = _concurrently(batching_server, requests)
     batches = batching_server.running.scheduler.batches_run - before
@@ -102,7 +59,7 @@ def test_packed_mode_batched_results_equal_alone_within_the_bound(model_dirs):
     server = serve_dir(model_dirs["llama"], chunk_size=16, batching="packed",
                        scheduler=SchedulerConfig(max_batch_tokens=2000, batch_delay_s=0.02))
     rng = np.random.default_rng(35)
-    requests = [_random_request(rng) for _ in range(24)]
+    requests = [random_request(rng) for _ in range(24)]
     try:
         before = server.running.scheduler.batches_run
         batched = _concurrently(server, requests)

@@ -14,7 +14,7 @@ import grpc
 import numpy as np
 import pytest
 
-from conftest import CliServer
+from helpers import CliServer
 from logitserve.client import LogitServeError, TeacherClient
 from logitserve.kserve import grpc_predict_v2_pb2 as kpb
 from logitserve.kserve import grpc_predict_v2_pb2_grpc as kpb_grpc
