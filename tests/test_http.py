@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import (Reference, VOCAB, assert_close, build_model, post, random_seqs, ref_rank_bounds,
-                    ref_token_logprobs, separated, serve_dir)
+from helpers import (VOCAB, Reference, assert_close, build_model, post, random_seqs, ref_rank_bounds,
+                     ref_token_logprobs, separated, serve_dir)
 
 K = 5
 

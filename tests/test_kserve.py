@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import (Reference, VOCAB, assert_close, kserve_request, kserve_tensor, random_seqs, ref_token_logprobs,
-                    separated)
+from helpers import (VOCAB, Reference, assert_close, kserve_request, kserve_tensor, random_seqs,
+                     ref_token_logprobs, separated)
 from logitserve.kserve import grpc_predict_v2_pb2 as kpb
 from logitserve.kserve import grpc_predict_v2_pb2_grpc as kpb_grpc
 

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import (CliServer, PACKED_ATOL, Reference, assert_close, build_model, filter_rows_decided, random_seqs,
-                    ref_token_logprobs, separated, serve_dir)
+from helpers import (PACKED_ATOL, CliServer, Reference, assert_close, assert_same_signature, build_model,
+                     filter_rows_decided, random_seqs, ref_token_logprobs, separated, serve_dir)
 from logitserve.client import TeacherClient
 
 V = 1003
@@ -201,19 +201,31 @@ def test_a_failing_job_fails_alone_in_a_shared_pack_and_head_chunk(engine, monke
     monkeypatch.setattr(eng, "block_pieces", real)
 
     real_packed, real_hidden = engine.packed_hidden, engine.hidden
+    packs, redone = [], []
 
-    def packed_hidden(ids, lengths):       # a pack holding job 1's 13-token sequence fails as a whole...
+    def packed_hidden(ids, lengths, starts=None, parents=None):   # a pack holding job 1's 13-token sequence fails
+        packs.append(list(lengths))                                 # as a whole...
         if 13 in lengths:
             raise RuntimeError("injected body failure")
-        return real_packed(ids, lengths)
+        return real_packed(ids, lengths, starts, parents)
 
     def hidden(ids, positions):            # ...and so does that sequence alone, when the pack is redone
+        redone.append(len(ids))
         if len(ids) == 13:
             raise RuntimeError("injected body failure")
         return real_hidden(ids, positions)
+    assert_same_signature(packed_hidden, real_packed)
+    assert_same_signature(hidden, real_hidden)
     monkeypatch.setattr(engine, "packed_hidden", packed_hidden)
     monkeypatch.setattr(engine, "hidden", hidden)
     _only_job_1_fails(engine, jobs, alone, "injected body failure")
+    failed = [p for p in packs if 13 in p]
+    assert failed, f"no pack held the 13-token sequence (packs {packs}): the pack path never ran"
+    # a shared pack: it held other jobs' sequences too; it, and it alone, is redone per sequence, each of its
+    # members once (job 1's 40-token one at most once: the redo may reach it before or after the 13 fails)
+    members = sorted(n for p in failed for n in p)
+    assert len(members) > 2, packs
+    assert sorted(n for n in redone if n != 40) == [n for n in members if n != 40] and redone.count(40) <= 1, (packs, redone)
 
 
 def _only_job_1_fails(engine, jobs, alone, message: str) -> None:

@@ -13,8 +13,8 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from helpers import (CliServer, Reference, TorchrunServer, assert_close, build_model, check_ranks, random_seqs,
-                    ref_token_logprobs, separated)
+from helpers import (CliServer, Reference, TorchrunServer, assert_close, build_model, check_ranks,
+                     random_seqs, ref_token_logprobs, separated)
 from logitserve.client import LogitServeError, TeacherClient, Wanted
 
 V = 32003                          # odd: the vocab shards are padded under tp = 2

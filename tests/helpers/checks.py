@@ -73,3 +73,12 @@ def within_packed_bound(a, b) -> None:
         sep[:, 1:] &= gap > PACKED_ATOL
         sep[:, :-1] &= gap > PACKED_ATOL
         assert np.array_equal(u[sep], v[sep]), "topk_ids"
+
+
+def assert_same_signature(fake, real) -> None:
+    """A fake stands in for `real` only if it takes the same parameters (names, kinds, defaults) as it."""
+    import inspect
+
+    def params(f):
+        return [(p.name, p.kind, p.default) for p in inspect.signature(f).parameters.values()]
+    assert params(fake) == params(real), f"fake {inspect.signature(fake)} != real {inspect.signature(real)}"
