@@ -68,3 +68,20 @@ def demo_cli_server():
     server = CliServer("--logprob-chunk-size", "512")
     yield server
     server.stop()
+
+
+TIERS = ("unit", "live_server", "multi_process", "fresh_venv")   # pyproject.toml describes each
+
+
+def pytest_collection_modifyitems(config, items):
+    """Every test names exactly one tier; slow tests run only when the -m expression names `slow`."""
+    untiered = [f"{item.nodeid}: {[t for t in TIERS if item.get_closest_marker(t)] or 'none'}"
+                for item in items if sum(item.get_closest_marker(t) is not None for t in TIERS) != 1]
+    if untiered:
+        raise pytest.UsageError("each test needs exactly one tier marker of " + ", ".join(TIERS) + ":\n  "
+                                + "\n  ".join(untiered))
+    if "slow" not in (config.getoption("markexpr") or ""):
+        slow = [item for item in items if item.get_closest_marker("slow")]
+        if slow:
+            config.hook.pytest_deselected(items=slow)
+            items[:] = [item for item in items if not item.get_closest_marker("slow")]

@@ -77,6 +77,7 @@ REFUSED = [
 ]
 
 
+@pytest.mark.live_server
 def test_a_tensor_of_many_empty_rows_is_refused_before_any_row_is_built(llama_server):
     """[2^31, 0] input_ids hold no bytes but 2^31 rows (the 10,000-case fuzz found [2^32, 0]: a MemoryError, then
     INTERNAL), and dimensions numpy cannot hold together are refused too."""
@@ -120,6 +121,7 @@ def _check_next_is_exact(stub, ref):
         np.testing.assert_allclose(lp[b, :len(s)], want, atol=1e-5)
 
 
+@pytest.mark.multi_process
 def test_every_malformed_kserve_parameter_is_refused_and_the_server_goes_on(cli, v_ref):
     with grpc.insecure_channel(cli.address) as ch:
         stub = kpb_grpc.GRPCInferenceServiceStub(ch)
@@ -143,6 +145,7 @@ def test_every_malformed_kserve_parameter_is_refused_and_the_server_goes_on(cli,
     assert cli.proc.poll() is None
 
 
+@pytest.mark.live_server
 def test_native_overflowing_candidate_shape_is_refused(llama_server):
     seq = np.array(SEQS[0], np.int32)
     req = pb.ForwardRequest(request_id="c", sequences=[pb.Tensor(dtype=pb.INT32, shape=[len(seq)], data=seq.tobytes())])
@@ -169,6 +172,7 @@ def json_server(model_dirs):
     assert server.stop() == 0
 
 
+@pytest.mark.live_server
 def test_request_ids_are_bounded_and_never_forge_log_lines(json_server, demo_cli_server):
     huge = "y" * (30 << 20)
     forged = "a\n2026-01-01 00:00:00,000 logitserve.requests INFO request forged OK: 1 tokens in 0.001 s"
@@ -194,6 +198,7 @@ def test_request_ids_are_bounded_and_never_forge_log_lines(json_server, demo_cli
                     json.loads(line)
 
 
+@pytest.mark.live_server
 def test_an_undecodable_message_ends_the_stream_with_invalid_argument(llama_server):
     with grpc.insecure_channel(llama_server.address) as ch:
         call = ch.stream_stream("/logitserve.v1.LogitServe/Forward", request_serializer=None,
@@ -207,6 +212,7 @@ def test_an_undecodable_message_ends_the_stream_with_invalid_argument(llama_serv
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "could not be decoded" in e.value.details()
 
 
+@pytest.mark.multi_process
 def test_a_second_server_on_a_served_port_exits_naming_the_port(demo_cli_server):
     port = demo_cli_server.address.rsplit(":", 1)[1]
     for extra in ([], ["--tp", "2"]):
@@ -220,6 +226,7 @@ def test_a_second_server_on_a_served_port_exits_naming_the_port(demo_cli_server)
         assert c.model_info().name == "logitserve-demo-causal"
 
 
+@pytest.mark.live_server
 def test_defaults_listen_on_loopback_and_warn_about_tokens_without_tls(tmp_path, model_dirs):
     from logitserve.server.cli import _serve_parser
     import argparse
@@ -237,6 +244,7 @@ def test_defaults_listen_on_loopback_and_warn_about_tokens_without_tls(tmp_path,
         assert server.stop() == 0
 
 
+@pytest.mark.live_server
 def test_reflection_answers_v1_and_v1alpha(llama_server):
     from grpc_reflection.v1alpha import reflection_pb2 as rpb
 

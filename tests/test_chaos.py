@@ -2,6 +2,7 @@
 hang up (tests/chaos_clients.py, in its own process); the server stays up, within its memory budget, and fair."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import statistics
@@ -15,6 +16,7 @@ import pytest
 
 from helpers import CliServer, OVERHEAD, Rss
 from logitserve.client import TeacherClient
+from logitserve.demo import demo_config
 
 MiB = 2 ** 20
 TOKENS = ("polite", "stall", "hoard", "big", "storm")
@@ -46,6 +48,8 @@ def chaos(tmp_path, seconds: float, *layout: str) -> None:
     rng = np.random.default_rng(0)
     seqs = [rng.integers(3, 32000, 16).tolist() for _ in range(8)]
     try:
+        with TeacherClient(server.address, token=TOKENS[0]) as c:
+            before = c.model_info()
         unloaded: list = []
         _measure(server.address, min(10.0, seconds / 3), unloaded, seqs)
         loaded: list = []
@@ -67,6 +71,12 @@ def chaos(tmp_path, seconds: float, *layout: str) -> None:
         first = {k: lp for _, k, lp in unloaded}
         for _, k, lp in loaded:
             np.testing.assert_array_equal(lp, first[k])
+        with TeacherClient(server.address, token=TOKENS[0]) as c:   # still serving the model it started with
+            after = c.model_info()
+        cfg, tp = demo_config("causal"), int(layout[layout.index("--tp") + 1]) if "--tp" in layout else 1
+        assert (after.kind, after.architecture, after.vocab_size, after.tp_size, after.world_size) == \
+            ("causal_lm", cfg.architectures[0], cfg.vocab_size, tp, tp), after
+        assert dataclasses.replace(after, shared_prefix_tokens=0) == dataclasses.replace(before, shared_prefix_tokens=0)
         worst = sorted(t for t, _, _ in loaded)[-12:]
         print("slowest under chaos (ms):", [round(t * 1e3) for t in worst])
         assert p50 <= 1.5 * p50u + 0.005 and p99 <= 3 * p99u + 0.010, (p50u, p99u, p50, p99)
@@ -75,21 +85,22 @@ def chaos(tmp_path, seconds: float, *layout: str) -> None:
         assert seen.get("hoard", {}).get("RESOURCE_EXHAUSTED")
         assert all(code in ("OK", "RESOURCE_EXHAUSTED", "CANCELLED", "UNAVAILABLE", "held", "sent")
                    for counts in seen.values() for code in counts), seen
-        with TeacherClient(server.address, token=TOKENS[0]) as c:
-            assert c.model_info() is not None
     finally:
         assert server.stop() == 0
 
 
+@pytest.mark.live_server
 def test_chaos_short_tp1(tmp_path):
     chaos(tmp_path, 30.0)
 
 
+@pytest.mark.live_server
 @pytest.mark.slow
 def test_chaos_tp1(tmp_path):
     chaos(tmp_path, 300.0)
 
 
+@pytest.mark.multi_process
 @pytest.mark.slow
 def test_chaos_tp2(tmp_path):
     chaos(tmp_path, 300.0, "--tp", "2")

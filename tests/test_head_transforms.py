@@ -17,6 +17,7 @@ def dirs(tmp_path_factory):
     return {arch: build_transformed_head(root / arch, arch) for arch in ("gemma2", "cohere", "granite")}
 
 
+@pytest.mark.live_server
 @pytest.mark.parametrize("arch", ["gemma2", "cohere", "granite"])
 def test_transformed_heads_equal_reference(dirs, arch):
     ref = Reference(dirs[arch])
@@ -30,6 +31,7 @@ def test_transformed_heads_equal_reference(dirs, arch):
         server.stop()
 
 
+@pytest.mark.multi_process
 def test_granite_logits_scaling_under_tp2(dirs):
     ref = Reference(dirs["granite"])
     server = CliServer("--model", str(dirs["granite"]), "--tp", "2", "--logprob-chunk-size", "16")

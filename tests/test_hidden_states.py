@@ -68,6 +68,7 @@ def _rebuild_matches(address, ref: Reference, cache, tied: bool, softcap: float)
         assert ((head(hb, temperature=0.7) - served).abs() <= bound).all()
 
 
+@pytest.mark.live_server
 @pytest.mark.parametrize("arch", ["llama", "gemma2", "tied"])
 def test_rebuilt_logits_equal_served_tp1(dirs, arch, tmp_path):
     server = serve_dir(dirs[arch], chunk_size=16)
@@ -78,6 +79,7 @@ def test_rebuilt_logits_equal_served_tp1(dirs, arch, tmp_path):
         server.stop()
 
 
+@pytest.mark.multi_process
 @pytest.mark.parametrize("arch", ["llama", "gemma2", "tied"])
 def test_rebuilt_logits_equal_served_tp2(dirs, arch, tmp_path):
     server = CliServer("--model", str(dirs[arch]), "--tp", "2", "--logprob-chunk-size", "16")
@@ -88,6 +90,7 @@ def test_rebuilt_logits_equal_served_tp2(dirs, arch, tmp_path):
         assert server.stop() == 0
 
 
+@pytest.mark.live_server
 def test_hidden_rows_follow_prompt_lengths_and_logprobs(llama_server, tmp_path):
     seqs = random_seqs(np.random.default_rng(6), [12, 30, 5], vocab=V)
     P = [4, 29, 5]                                     # the last: P = L, no rows
@@ -103,6 +106,7 @@ def test_hidden_rows_follow_prompt_lengths_and_logprobs(llama_server, tmp_path):
             assert np.allclose(mine.numpy(), r.logprobs[j], atol=1e-5)
 
 
+@pytest.mark.live_server
 def test_head_is_cached_verified_and_splits_over_devices(llama_server, tmp_path):
     seqs = random_seqs(np.random.default_rng(7), [9], vocab=V)
     with TeacherClient(llama_server.address) as c:
@@ -127,6 +131,7 @@ def test_head_is_cached_verified_and_splits_over_devices(llama_server, tmp_path)
     assert torch.allclose(torch.cat([z for _, z in chunks]), whole(h), atol=1e-6, rtol=0)   # GEMM shapes differ
 
 
+@pytest.mark.live_server
 def test_bad_hidden_requests_name_the_field(llama_server, reward_dirs):
     # fp16 on the wire is refused by the server (sent raw, past the client's own check)
     from logitserve.v1 import logitserve_pb2 as pb
@@ -155,6 +160,7 @@ def test_bad_hidden_requests_name_the_field(llama_server, reward_dirs):
         reward.stop()
 
 
+@pytest.mark.multi_process
 def test_hidden_states_under_cp2_assembled_by_position(dirs, llama_server):
     seqs = random_seqs(np.random.default_rng(8), [3, 37, 20], vocab=V)
     P = [1, 30, 20]
@@ -174,6 +180,7 @@ def test_hidden_states_under_cp2_assembled_by_position(dirs, llama_server):
         assert a.shape == b.shape and np.allclose(a, b, atol=0, rtol=2.0 ** -8)
 
 
+@pytest.mark.live_server
 def test_stalled_head_downloads_never_hold_up_other_clients():
     """Two clients open Head downloads and stop reading: each holds one band under flow control, a third
     download is refused RESOURCE_EXHAUSTED naming the limit, Forward requests go on meanwhile, and once the

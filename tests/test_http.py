@@ -65,6 +65,7 @@ def _check_position(entry: dict, z_row: torch.Tensor, target: int, k: int, lo: i
             assert i == sorted_i[r].item()
 
 
+@pytest.mark.live_server
 def test_openai_package_echo_prompt_logprobs(http_model):
     """The `openai` package's completions.create as ms-swift's echo-style call: every position checked."""
     import openai
@@ -89,6 +90,7 @@ def test_openai_package_echo_prompt_logprobs(http_model):
     assert out.usage.prompt_tokens == len(seq) and out.usage.completion_tokens == 0
 
 
+@pytest.mark.live_server
 def test_ms_swift_and_trl_vllm_requests(http_model):
     """ms-swift's fetch_teacher_logprobs and TRL's post-#6765 teacher call: prompt_logprobs with max_tokens 1, a
     batch of prompts, temperature applied (0.7), parsed as they parse it (skip 0, sort, keep k)."""
@@ -115,6 +117,7 @@ def test_ms_swift_and_trl_vllm_requests(http_model):
     assert out["usage"]["completion_tokens"] == 3
 
 
+@pytest.mark.live_server
 def test_prompt_logprob_start_and_prime_rl_generate(http_model):
     """prompt_logprob_start (response rows only; earlier entries null) and prime-rl's /inference/v1/generate,
     with vLLM PR #54335's per-row candidate ids as a .npy answer."""
@@ -144,6 +147,7 @@ def test_prompt_logprob_start_and_prime_rl_generate(http_model):
     assert_close(arr, want)
 
 
+@pytest.mark.live_server
 def test_slime_sglang_generate(http_model):
     """slime's teacher call: /generate with input_ids, logprob_start_len 0, max_new_tokens 0, parsed as slime does;
     top_logprobs_num, token_ids_logprob and a batch as SGLang shapes them."""
@@ -175,6 +179,7 @@ def test_slime_sglang_generate(http_model):
     assert len(out[1]["meta_info"]["input_token_logprobs"]) == 2
 
 
+@pytest.mark.live_server
 def test_trl_sequence_logprobs_json_and_binary(http_model):
     """TRL's /get_sequence_logprobs/ (AsyncDistillationTrainer's json, VLLMClient's binary decode)."""
     base, _, ref = http_model
@@ -209,6 +214,7 @@ def test_trl_sequence_logprobs_json_and_binary(http_model):
         assert np.all(np.isneginf(lp[b, len(seq) - pl:]))      # padding
 
 
+@pytest.mark.live_server
 def test_reward_routes(reward_dirs):
     """vLLM's /classify and /pooling and SGLang's /classify on a reward model; completions refused with 400."""
     server = serve_dir(reward_dirs["llama"], http_port=0)
@@ -252,6 +258,7 @@ BAD = [
 ]
 
 
+@pytest.mark.live_server
 def test_bad_input_gets_its_status_and_the_server_keeps_serving(http_model):
     base, server, _ = http_model
     for body, status, param in BAD:
@@ -285,6 +292,7 @@ def test_bad_input_gets_its_status_and_the_server_keeps_serving(http_model):
     assert get(base, "/health")[0] == 200 and get(base, "/nope")[0] == 404
 
 
+@pytest.mark.live_server
 def test_bearer_tokens_on_http(tmp_path, model_dirs):
     tokens = tmp_path / "tokens"
     tokens.write_text("s3cret\n")
@@ -303,6 +311,7 @@ def test_bearer_tokens_on_http(tmp_path, model_dirs):
         server.stop()
 
 
+@pytest.mark.live_server
 def test_column_wise_json_equals_vllms_dicts(http_model):
     """json_logprobs builds prompt_logprobs from arrays; parsed, it is the dict-per-entry list, key order and all."""
     import orjson
@@ -349,6 +358,7 @@ print(json.dumps(out).replace("-Infinity", "null"))
 """
 
 
+@pytest.mark.fresh_venv
 def test_trl_vllm_client_get_sequence_logprobs(http_model, tmp_path):
     """TRL's own VLLMClient.get_sequence_logprobs (trl 1.16, installed here without its vLLM side) against the
     server: its parse of prompt_logprobs gives the reference top-k and the realized tokens' logprobs."""

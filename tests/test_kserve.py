@@ -12,6 +12,8 @@ from helpers import (VOCAB, Reference, assert_close, kserve_request, kserve_tens
 from logitserve.kserve import grpc_predict_v2_pb2 as kpb
 from logitserve.kserve import grpc_predict_v2_pb2_grpc as kpb_grpc
 
+pytestmark = pytest.mark.live_server
+
 
 def test_model_infer_outputs_equal_float64_reference(llama_server, model_dirs):
     ref = Reference(model_dirs["llama"])

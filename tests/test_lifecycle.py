@@ -14,6 +14,8 @@ from helpers import CliServer, serve_dir
 from logitserve.client import LogitServeError, TeacherClient, Wanted
 from logitserve.server.requests import StreamLimits
 
+pytestmark = pytest.mark.live_server
+
 
 def test_sigterm_lets_the_request_in_flight_finish_and_refuses_new_ones():
     server = CliServer("--logprob-chunk-size", "512", "--grace-s", "60", "--batching", "exact")

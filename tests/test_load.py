@@ -18,6 +18,8 @@ import pytest
 from helpers import CliServer, random_request, within_packed_bound
 from logitserve.client import AsyncTeacherClient, LogitServeError, TeacherClient
 
+pytestmark = pytest.mark.live_server
+
 MAX_QUEUED = 6000   # small enough that a burst is refused with RESOURCE_EXHAUSTED
 
 

@@ -12,6 +12,8 @@ import pytest
 from helpers import CliServer, serve_dir
 from logitserve.client import LogitServeError, TeacherClient
 
+pytestmark = pytest.mark.live_server
+
 
 def _scrape(port: int) -> dict[str, float]:
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()

@@ -8,6 +8,8 @@ import torch
 from helpers import VOCAB, assert_close, check_ranks, random_seqs, ref_rank_bounds, ref_token_logprobs, separated
 from logitserve.client import TeacherClient
 
+pytestmark = pytest.mark.live_server
+
 LENGTHS = [1, 2, 17, 40, 33]   # ragged, crossing the server's 16-row chunks
 
 

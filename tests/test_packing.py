@@ -42,6 +42,7 @@ def _forward(server, seqs, **kw):
         return c.forward(seqs, **kw)
 
 
+@pytest.mark.live_server
 def test_packed_equals_exact_and_reference_on_random_mixes(pair):
     packed, exact, ref = pair
     rng = np.random.default_rng(71)
@@ -64,6 +65,7 @@ def test_packed_equals_exact_and_reference_on_random_mixes(pair):
         assert_close(got.full_logits[j], z[:, 100:180].numpy())
 
 
+@pytest.mark.live_server
 @pytest.mark.parametrize("top_k,top_p,temperature", [(20, None, 1.0), (None, 0.7, 1.3), (64, 0.9, 0.6)])
 def test_packed_filtered_logprobs_equal_reference(pair, top_k, top_p, temperature):
     packed, exact, ref = pair
@@ -81,6 +83,7 @@ def test_packed_filtered_logprobs_equal_reference(pair, top_k, top_p, temperatur
     assert decided >= 0.95 * sum(len(s) for s in seqs)
 
 
+@pytest.mark.live_server
 def test_no_sequence_sees_another(pair):
     """Changing one sequence's tokens leaves every other sequence's outputs bitwise unchanged, and each
     sequence's outputs match it run alone within the bound: no mask lets sequences attend across."""
@@ -100,6 +103,7 @@ def test_no_sequence_sees_another(pair):
     assert_close(a.full_logits[3], ref.logits(seqs[3])[:, :50].numpy())
 
 
+@pytest.mark.live_server
 def test_packed_reward_scores_equal_reference_and_exact(dirs):
     ref = Reference(dirs["reward"])
     seqs = [np.minimum(s + 1, V - 1) for s in _mix(np.random.default_rng(74), 10)]   # no pad id (0) inside
@@ -117,6 +121,7 @@ def test_packed_reward_scores_equal_reference_and_exact(dirs):
         np.testing.assert_allclose(got.scores[j], want.scores[j], atol=PACKED_ATOL, rtol=0)
 
 
+@pytest.mark.multi_process
 def test_packed_under_tp2_equals_reference_and_isolates_sequences(dirs):
     ref = Reference(dirs["llama"])
     rng = np.random.default_rng(75)
@@ -185,6 +190,7 @@ def _assemble(pieces, job):
     return out
 
 
+@pytest.mark.unit
 def test_a_failing_job_fails_alone_in_a_shared_pack_and_head_chunk(engine, monkeypatch):
     import logitserve.engine as eng
 
@@ -236,6 +242,7 @@ def _only_job_1_fails(engine, jobs, alone, message: str) -> None:
             np.testing.assert_allclose(got, want, atol=PACKED_ATOL, rtol=0)
 
 
+@pytest.mark.unit
 def test_a_cancelled_job_stops_and_the_others_finish(engine):
     jobs = _jobs(np.random.default_rng(77))
     cancelled = set()
@@ -251,6 +258,7 @@ def test_a_cancelled_job_stops_and_the_others_finish(engine):
         _assemble(out[j], jobs[j])
 
 
+@pytest.mark.unit
 def test_memory_budget_under_a_packed_body_refuses_to_start(dirs):
     from logitserve.loading import load_model
     from logitserve.server.app import ServerConfig, memory_estimator
@@ -281,6 +289,7 @@ def _reference_attention(q, k, v, lengths, window=None, softcap=None):
     return torch.cat(out)[None]                                                # [1, N, H, D]
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("window,softcap", [(None, None), (4, None), (None, 0.7), (4, 0.7)])
 def test_varlen_attention_equals_per_sequence_softmax(window, softcap):
     from logitserve.packing import packed_forward, varlen_attention_forward
@@ -297,6 +306,7 @@ def test_varlen_attention_equals_per_sequence_softmax(window, softcap):
     torch.testing.assert_close(alone, _reference_attention(q[:, :, :1], k[:, :, :1], v[:, :, :1], [1]))
 
 
+@pytest.mark.unit
 def test_plan_packs_bounds_tokens_and_keeps_order():
     from logitserve.packing import plan_packs
 
@@ -307,6 +317,7 @@ def test_plan_packs_bounds_tokens_and_keeps_order():
     assert [m.offset for m in packs[2].members] == [0, 3]
 
 
+@pytest.mark.unit
 def test_attention_sinks_are_refused_not_dropped():
     from logitserve.packing import varlen_attention_forward
 
@@ -315,6 +326,7 @@ def test_attention_sinks_are_refused_not_dropped():
         varlen_attention_forward(None, q, q, q, None, s_aux=torch.zeros(2))
 
 
+@pytest.mark.unit
 def test_a_model_with_attention_sinks_is_refused_at_startup_in_packed_mode_and_serves_exact(tmp_path):
     import transformers as tf
 
@@ -331,6 +343,7 @@ def test_a_model_with_attention_sinks_is_refused_at_startup_in_packed_mode_and_s
     assert Engine(load_model(tmp_path), EngineConfig(batching=Batching.EXACT)).batching is Batching.EXACT
 
 
+@pytest.mark.live_server
 def test_packed_gemma2_capped_scores_and_sliding_window_equal_reference(tmp_path):
     """Gemma-2 attention: tanh-capped scores and sliding-window layers, packed, against float64 transformers."""
     import transformers as tf
@@ -354,6 +367,7 @@ def test_packed_gemma2_capped_scores_and_sliding_window_equal_reference(tmp_path
         assert_close(got.full_logits[j], z[:, :64].numpy())
 
 
+@pytest.mark.unit
 def test_flash_varlen_without_enable_gqa_repeats_the_kv_heads(monkeypatch):
     """A torch whose varlen_attn takes no enable_gqa (issue 21): the GQA call is retried with repeated KV heads.
     The kernel is stood in for by a per-sequence causal sdpa on CPU that refuses the keyword, as such a torch does."""

@@ -51,6 +51,7 @@ def sharded(request, tp_model):
     assert server.stop() == 0, "".join(server.log[-20:])
 
 
+@pytest.mark.multi_process
 def test_every_output_equals_one_process_reference(sharded):
     tp, cp, server, ref, pp = sharded
     rng = np.random.default_rng(21)
@@ -90,6 +91,7 @@ def test_every_output_equals_one_process_reference(sharded):
     assert all(np.array_equal(np.sort(i, -1), np.broadcast_to(np.arange(V), i.shape)) for i in every.topk_ids)
 
 
+@pytest.mark.multi_process
 def test_filters_and_topk_logprobs_equal_reference(sharded):
     tp, cp, server, ref, _ = sharded
     seqs = random_seqs(np.random.default_rng(22), LENGTHS, vocab=V)
@@ -102,6 +104,7 @@ def test_filters_and_topk_logprobs_equal_reference(sharded):
         assert_close(vals[j], torch.sort(lp, -1, descending=True).values[:, :5].numpy())
 
 
+@pytest.mark.multi_process
 def test_http_routes_under_tp_and_cp(sharded):
     """vLLM's /v1/completions through a sharded server: bad input refused with 400 (the ranks never see it),
     then prompt_logprobs and ranks equal to the one-process float64 reference."""
@@ -121,6 +124,7 @@ def test_http_routes_under_tp_and_cp(sharded):
     check_ranks(np.array([0] + [plp[t][str(seq[t])]["rank"] for t in range(1, len(seq))], np.int32), z, seq)
 
 
+@pytest.mark.multi_process
 @pytest.mark.parametrize("tp,cp", [(2, 1), (2, 2)])
 def test_reward_scores_under_tp_and_cp(reward_dirs, tp, cp):
     directory = reward_dirs["llama"]
@@ -138,6 +142,7 @@ def test_reward_scores_under_tp_and_cp(reward_dirs, tp, cp):
         np.testing.assert_allclose(score, want, atol=1e-5, rtol=0)
 
 
+@pytest.mark.live_server
 @pytest.mark.parametrize("layout", ["--tp", "--pp"])
 def test_lost_rank_fails_requests_with_unavailable_and_exits_nonzero(tp_model, layout):
     """A lost TP rank, or a lost pipeline stage (rank 1: the last, which holds the head)."""
@@ -180,6 +185,7 @@ def _until_error(stream):
         return
 
 
+@pytest.mark.multi_process
 def test_pp2_groups_compute_the_shared_prompt_once(tp_model):
     """RL groups through two pipeline stages: the shared prompt is computed once (the prefix member and its
     continuations flow as one micro-batch's rows), and the response logprobs equal float64."""

@@ -11,6 +11,8 @@ from logitserve.client import LogitServeError, TeacherClient, Wanted
 from logitserve.client.distill import TeacherBatch
 from logitserve.client.prefetch import PrefetchingTeacher
 
+pytestmark = pytest.mark.live_server
+
 
 def _batches(n=7):
     rng = np.random.default_rng(5)

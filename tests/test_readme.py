@@ -25,6 +25,7 @@ def blocks():
         yield m.group("note") or "", m.group("lang"), m.group("body")
 
 
+@pytest.mark.unit
 def test_every_complete_python_example_is_run_or_says_why_not():
     complete = [(note, body) for note, lang, body in blocks() if lang == "python"
                 and re.match(r"(import|from) ", body)]
@@ -44,6 +45,7 @@ def on_50051():
     assert server.stop() == 0
 
 
+@pytest.mark.live_server
 def test_readme_blocks_run_as_written(on_50051):
     ran = 0
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}

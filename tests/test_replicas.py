@@ -11,6 +11,8 @@ import pytest
 from helpers import VOCAB, random_seqs, serve_dir
 from logitserve.client import LogitServeError, TeacherClient, Wanted
 
+pytestmark = pytest.mark.live_server
+
 
 def test_requests_spread_over_replicas_and_survive_one_stopping(model_dirs):
     a, b = serve_dir(model_dirs["llama"]), serve_dir(model_dirs["llama"])

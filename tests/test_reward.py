@@ -8,6 +8,8 @@ import torch
 from helpers import Reference, random_seqs, serve_dir
 from logitserve.client import LogitServeError, TeacherClient
 
+pytestmark = pytest.mark.live_server
+
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_reward_scores_match_reference(reward_dirs, arch):

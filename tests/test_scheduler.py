@@ -43,6 +43,7 @@ def _concurrently(server, requests: list[dict]) -> list:
     return asyncio.run(run())
 
 
+@pytest.mark.live_server
 def test_exact_mode_results_are_bitwise_identical_alone_and_batched(batching_server):
     rng = np.random.default_rng(31)
     requests = [random_request(rng) for _ in range(40)]
@@ -55,6 +56,7 @@ def test_exact_mode_results_are_bitwise_identical_alone_and_batched(batching_ser
             _same(got, c.forward(**r))
 
 
+@pytest.mark.live_server
 def test_packed_mode_batched_results_equal_alone_within_the_bound(model_dirs):
     server = serve_dir(model_dirs["llama"], chunk_size=16, batching="packed",
                        scheduler=SchedulerConfig(max_batch_tokens=2000, batch_delay_s=0.02))
@@ -72,6 +74,7 @@ def test_packed_mode_batched_results_equal_alone_within_the_bound(model_dirs):
         server.stop()
 
 
+@pytest.mark.live_server
 def test_queue_over_its_token_limit_answers_resource_exhausted(model_dirs):
     """Full logits rows count double in the queue (logitserve.cost): 800 tokens are 1600 work tokens."""
     server = serve_dir(model_dirs["llama"], scheduler=SchedulerConfig(max_queued_tokens=2000,
@@ -95,6 +98,7 @@ def test_queue_over_its_token_limit_answers_resource_exhausted(model_dirs):
         assert e.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "--max-queued-tokens 2000" in e.details
 
 
+@pytest.mark.live_server
 def test_request_over_the_memory_budget_is_refused_not_run(model_dirs):
     server = serve_dir(model_dirs["llama"], chunk_size=64, batching="exact",
                        scheduler=SchedulerConfig(memory_budget_bytes=4 << 20))
@@ -114,6 +118,7 @@ def _long_job(n: int = 30) -> list:
     return random_seqs(np.random.default_rng(34), [500] * n)
 
 
+@pytest.mark.live_server
 def test_cancelled_request_is_dropped_and_the_server_moves_on(model_dirs):
     server = serve_dir(model_dirs["llama"], chunk_size=16)
     scheduler = server.running.scheduler
@@ -144,6 +149,7 @@ def test_cancelled_request_is_dropped_and_the_server_moves_on(model_dirs):
     assert after < 0.5 * whole, (after, whole)
 
 
+@pytest.mark.live_server
 def test_request_timeout_and_stream_deadline_end_with_deadline_exceeded(model_dirs):
     server = serve_dir(model_dirs["llama"], chunk_size=16)
     try:
@@ -170,6 +176,7 @@ def test_request_timeout_and_stream_deadline_end_with_deadline_exceeded(model_di
         server.stop()
 
 
+@pytest.mark.unit
 def test_cancelled_queued_job_frees_its_queue_tokens_at_once():
     """Scheduler alone, with a runner held by a gate: a job cancelled while queued leaves the queue at once."""
     import threading
@@ -225,6 +232,7 @@ def _stalled_full_logits(address: str):
     return ch, pb_grpc.LogitServeStub(ch).Forward(iter([big]))
 
 
+@pytest.mark.live_server
 def test_a_stalled_reader_alone_is_waited_on_for_the_stall_timeout_then_dropped(model_dirs):
     """Nobody else waiting: the compute thread waits on the full buffer for --stall-timeout, then drops it."""
     server = serve_dir(model_dirs["llama"], max_message_bytes=64 << 10,
@@ -241,6 +249,7 @@ def test_a_stalled_reader_alone_is_waited_on_for_the_stall_timeout_then_dropped(
         server.stop()
 
 
+@pytest.mark.live_server
 def test_a_stalled_reader_never_holds_up_another_request(model_dirs):
     """Another request waiting: the stalled one, its buffer full, is dropped at once (not after the 30 s stall
     timeout) naming --max-buffered-bytes, and the other is served without waiting on it."""
@@ -263,6 +272,7 @@ def test_a_stalled_reader_never_holds_up_another_request(model_dirs):
         server.stop()
 
 
+@pytest.mark.live_server
 def test_one_clients_hundred_queued_requests_do_not_put_anothers_one_behind_them(model_dirs, tmp_path):
     """Fair order: each client (bearer token) has its own queue and batches take the clients in turn. Client A
     queues 100 requests, two per batch; client B's one request, sent after them, is served in the next batch
@@ -294,6 +304,7 @@ def test_one_clients_hundred_queued_requests_do_not_put_anothers_one_behind_them
     assert done.index("b") < 20, done.index("b")     # FIFO: ~100
 
 
+@pytest.mark.live_server
 def test_per_client_in_flight_and_response_size_limits_answer_resource_exhausted(model_dirs):
     """--max-in-flight-per-client counts one client's requests on every stream; --max-response-bytes refuses an
     answer before it is computed. Both are RESOURCE_EXHAUSTED naming the flag, and the stream goes on."""

@@ -12,6 +12,8 @@ from helpers import serve_dir
 from logitserve.client import LogitServeError, TeacherClient
 from logitserve.server.security import SecurityConfig
 
+pytestmark = pytest.mark.live_server
+
 
 def _cert(name: str, issuer=None, ca: bool = False):
     """(PEM cert, PEM key, cert, key) for `name`, signed by `issuer` (cert, key) or self-signed."""

@@ -11,6 +11,8 @@ import torch.multiprocessing as mp
 
 from helpers import CliServer, build_model
 
+pytestmark = pytest.mark.multi_process
+
 
 def _prelude():
     """Both loaders' imports, the model class included, are in the baseline, as in a server."""

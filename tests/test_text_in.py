@@ -12,6 +12,8 @@ import torch
 from helpers import Reference, VOCAB, assert_close, build_model, ref_token_logprobs, serve_dir
 from logitserve.client import LogitServeError, TeacherClient, tokenizer_hash
 
+pytestmark = pytest.mark.live_server
+
 TEXTS = ["t5 t9 t200 t17", "t7 t7 t1000", "t3"]
 
 
