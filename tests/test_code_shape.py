@@ -144,3 +144,15 @@ def test_no_import_cycle_among_logitserves_modules():
 def test_no_function_over_sixty_lines_in_src_and_server():
     found = long_functions()
     assert not found, f"functions over {MAX_LINES} lines: " + ", ".join(found)
+
+
+def test_tests_import_helpers_not_each_other():
+    """Shared test code lives in tests/helpers/: no test module imports another test module or conftest."""
+    offenders = []
+    for path in sorted((ROOT / "tests").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            offenders += [f"{path.name}:{node.lineno} imports {n}" for n in names
+                          if n.split(".")[-1].startswith("test_") or n.split(".")[-1] == "conftest"]
+    assert not offenders, offenders
