@@ -13,7 +13,7 @@ import pytest
 ROOT = Path(__file__).parent.parent
 
 
-@pytest.mark.live_server
+@pytest.mark.fresh_venv
 def test_gpu_check_dry_run(tmp_path):
     env = {**os.environ, "PYTHON": sys.executable, "OUT": str(tmp_path / "out")}
     run = subprocess.run(["bash", "bench/gpu_check.sh", "--dry-run"], cwd=ROOT, env=env, capture_output=True,
