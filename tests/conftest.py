@@ -2,12 +2,7 @@
 from __future__ import annotations
 
 import os
-import re
-import signal
-import subprocess
 import sys
-import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -16,7 +11,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-from helpers import Reference, ServerThread, build_model  # noqa: E402
+from helpers import CliServer, Reference, TorchrunServer, build_model, serve_dir  # noqa: E402,F401
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -39,29 +34,18 @@ def reward_dirs(tmp_path_factory):
             for arch in ("llama", "qwen2")}
 
 
-def _serve(directory, chunk_size=16, batching="packed", max_pack_tokens=16384, min_shared_prefix=64, **server_kw):
-    from logitserve.engine import Batching, EngineConfig
-    from logitserve.loading import load_model
-    from logitserve.server.app import ServerConfig
-
-    loaded = load_model(directory)
-    engine = EngineConfig(chunk_size=chunk_size, batching=Batching(batching), max_pack_tokens=max_pack_tokens,
-                          min_shared_prefix=min_shared_prefix)
-    return ServerThread(loaded, ServerConfig(port=0, engine=engine, **server_kw))
-
-
 @pytest.fixture(scope="session", params=["llama", "qwen2", "gpt2"])
 def causal(request, model_dirs):
     """(arch, server, reference) for each causal architecture; chunk 16 so sequences cross chunks."""
     directory = model_dirs[request.param]
-    server = _serve(directory)
+    server = serve_dir(directory)
     yield request.param, server, Reference(directory)
     server.stop()
 
 
 @pytest.fixture(scope="session")
 def llama_server(model_dirs):
-    server = _serve(model_dirs["llama"])
+    server = serve_dir(model_dirs["llama"])
     yield server
     server.stop()
 
@@ -79,117 +63,25 @@ def client(llama_server):
         yield c
 
 
-serve_dir = _serve
-
-
-class CliServer:
-    """`logitserve serve` in its own process, as a user starts it."""
-
-    def __init__(self, *args: str, python: str = sys.executable):
-        if "--device" not in args:   # CPU unless asked (bench/gpu_check.sh sets LOGITSERVE_TEST_DEVICE=cuda)
-            args = (*args, "--device", os.environ.get("LOGITSERVE_TEST_DEVICE", "cpu"))
-        self.proc = subprocess.Popen([python, "-m", "logitserve.server.cli", "serve", "--host", "127.0.0.1",
-                                      "--port", "0", *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     text=True)
-        deadline = time.monotonic() + 180
-        self.log = []
-        while time.monotonic() < deadline:
-            line = self.proc.stdout.readline()
-            if not line:
-                break
-            self.log.append(line)
-            m = re.search(r"logitserve: serving \S+ on [\d.]+:(\d+)", line)
-            if m:
-                self.address = f"127.0.0.1:{m.group(1)}"
-                http = re.search(r"\(HTTP on port (\d+)\)", line)
-                self.http = f"http://127.0.0.1:{http.group(1)}" if http else None
-                threading.Thread(target=lambda: [self.log.append(x) for x in self.proc.stdout], daemon=True).start()
-                return
-        self.proc.kill()
-        raise RuntimeError("server did not start:\n" + "".join(self.log))
-
-    def stop(self, timeout: float = 30) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        return self.proc.wait(timeout)
-
-
-class TorchrunServer:
-    """`logitserve serve` as two torchrun agents on this machine, as on two nodes: `--nnodes 2`, `nproc` ranks each,
-    c10d rendezvous on localhost (the README's multi-node command). The gRPC port opens on global rank 0, in
-    whichever agent c10d ranked first; stop() sends SIGTERM to that rank, which drains and stops the rest."""
-
-    def __init__(self, *args: str, nproc: int = 2, rdzv: str = "c10d"):
-        import socket
-
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        self.agents, self.logs, self.address, self.http = [], [[], []], None, None
-        found = threading.Event()
-        for node in range(2):
-            if rdzv == "c10d":
-                rendezvous = ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
-                              "--rdzv-id", f"logitserve-{port}", "--rdzv-conf", f"is_host={int(node == 0)}"]
-            else:                       # static: --node-rank decides, node 0 holds rank 0
-                rendezvous = ["--master-addr", "127.0.0.1", "--master-port", str(port)]
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", str(nproc),
-                   "--node-rank", str(node), *rendezvous, "-m", "logitserve.server.cli", "serve",
-                   "--host", "127.0.0.1", "--port", "0", *args]
-            agent = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                     start_new_session=True)
-            self.agents.append(agent)
-            threading.Thread(target=self._read, args=(agent, self.logs[node], found), daemon=True).start()
-        if not found.wait(240):
-            self._kill()
-            raise RuntimeError("torchrun server did not start:\n" + "".join(self.logs[0] + self.logs[1])[-6000:])
-
-    def _read(self, agent, log, found) -> None:
-        for line in agent.stdout:
-            log.append(line)
-            m = re.search(r"logitserve: serving \S+ on [\d.]+:(\d+)", line)
-            if m and not found.is_set():
-                self.address = f"127.0.0.1:{m.group(1)}"
-                http = re.search(r"\(HTTP on port (\d+)\)", line)
-                self.http = f"http://127.0.0.1:{http.group(1)}" if http else None
-                found.set()
-
-    @property
-    def log(self) -> list:
-        return self.logs[0] + self.logs[1]
-
-    def rank0(self):
-        """The worker process that listens on the gRPC port."""
-        import psutil
-
-        port = int(self.address.rsplit(":", 1)[1])
-        for agent in self.agents:
-            for child in psutil.Process(agent.pid).children(recursive=True):
-                try:
-                    if any(c.laddr.port == port and c.status == psutil.CONN_LISTEN for c in child.net_connections()):
-                        return child
-                except psutil.Error:
-                    continue
-        raise RuntimeError(f"no worker listens on {self.address}")
-
-    def _kill(self) -> None:
-        for agent in self.agents:
-            if agent.poll() is None:
-                os.killpg(agent.pid, signal.SIGKILL)
-
-    def stop(self, timeout: float = 60) -> int:
-        """Both agents' worst exit code (0: every rank exited 0)."""
-        try:
-            self.rank0().send_signal(signal.SIGTERM)
-            codes = [agent.wait(timeout) for agent in self.agents]
-        except Exception:
-            self._kill()
-            raise
-        return max(codes, key=abs)
-
-
 @pytest.fixture(scope="session")
 def demo_cli_server():
     server = CliServer("--logprob-chunk-size", "512")
     yield server
     server.stop()
+
+
+TIERS = ("unit", "live_server", "multi_process", "fresh_venv")   # pyproject.toml describes each
+
+
+def pytest_collection_modifyitems(config, items):
+    """Every test names exactly one tier; slow tests run only when the -m expression names `slow`."""
+    untiered = [f"{item.nodeid}: {[t for t in TIERS if item.get_closest_marker(t)] or 'none'}"
+                for item in items if sum(item.get_closest_marker(t) is not None for t in TIERS) != 1]
+    if untiered:
+        raise pytest.UsageError("each test needs exactly one tier marker of " + ", ".join(TIERS) + ":\n  "
+                                + "\n  ".join(untiered))
+    if "slow" not in (config.getoption("markexpr") or ""):
+        slow = [item for item in items if item.get_closest_marker("slow")]
+        if slow:
+            config.hook.pytest_deselected(items=slow)
+            items[:] = [item for item in items if not item.get_closest_marker("slow")]

@@ -6,10 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import CliServer, serve_dir
-from helpers import Reference, random_seqs
+from helpers import CliServer, Reference, check_every_output, random_seqs, serve_dir
 from logitserve.client import TeacherClient
-from test_head_transforms import _check_every_output
 
 V = 1003
 BASE = dict(vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -63,7 +61,7 @@ def dirs(tmp_path_factory):
 
 def _check(address, ref):
     """Every output against float64 (the head-transform tests' check); the server's ModelInfo."""
-    _check_every_output(address, ref, random_seqs(np.random.default_rng(91), [1, 5, 37, 70], vocab=V))
+    check_every_output(address, ref, random_seqs(np.random.default_rng(91), [1, 5, 37, 70], vocab=V))
     with TeacherClient(address) as c:
         return c.model_info()
 
@@ -78,6 +76,7 @@ def _check_scores(address, ref):
         np.testing.assert_allclose(scores[j], want.numpy(), atol=1e-5, rtol=0)
 
 
+@pytest.mark.live_server
 @pytest.mark.parametrize("arch", list(ARCHS) + ["llama-tied"])
 def test_tp1_equals_reference(dirs, arch):
     server = serve_dir(dirs[arch], chunk_size=16)
@@ -87,6 +86,7 @@ def test_tp1_equals_reference(dirs, arch):
         server.stop()
 
 
+@pytest.mark.multi_process
 @pytest.mark.parametrize("tp", [1, 2])
 def test_softcapped_attention_unpacked(dirs, tp):
     """Exact (unpacked) batching runs transformers' own attention: Gemma 2's capped scores must survive it
@@ -99,6 +99,7 @@ def test_softcapped_attention_unpacked(dirs, tp):
         assert server.stop() == 0, "".join(server.log[-30:])
 
 
+@pytest.mark.multi_process
 @pytest.mark.parametrize("arch", TP2 + ["llama-tied"])
 def test_tp2_sharded_equals_reference(dirs, arch):
     server = CliServer("--model", str(dirs[arch]), "--tp", "2", "--logprob-chunk-size", "16")
@@ -109,6 +110,7 @@ def test_tp2_sharded_equals_reference(dirs, arch):
         assert server.stop() == 0, "".join(server.log[-30:])
 
 
+@pytest.mark.multi_process
 @pytest.mark.parametrize("arch", REWARD)
 @pytest.mark.parametrize("tp", [1, 2])
 def test_reward_variants_equal_reference(dirs, arch, tp):
@@ -120,6 +122,7 @@ def test_reward_variants_equal_reference(dirs, arch, tp):
         assert server.stop() == 0, "".join(server.log[-30:])
 
 
+@pytest.mark.multi_process
 @pytest.mark.parametrize("arch,tp", [("llama", 1), ("qwen3_moe", 1), ("gemma2", 1), ("gemma3", 1), ("llama-tied", 1),
                                      ("qwen3_moe", 2), ("gemma2", 2)])
 def test_pp2_stages_equal_reference(dirs, arch, tp):

@@ -12,13 +12,11 @@ import grpc
 import numpy as np
 import pytest
 
-from conftest import CliServer
-from helpers import Reference, build_model, ref_token_logprobs
+from helpers import CliServer, Reference, build_model, kserve_request, kserve_tensor, ref_token_logprobs
 from logitserve.kserve import grpc_predict_v2_pb2 as kpb
 from logitserve.kserve import grpc_predict_v2_pb2_grpc as kpb_grpc
 from logitserve.v1 import logitserve_pb2 as pb
 from logitserve.v1 import logitserve_pb2_grpc as pb_grpc
-from test_kserve import _request, _tensor
 
 V = 1003
 SEQS = [[1, 5, 9, 200, 31, 7], [3, 4]]
@@ -43,7 +41,7 @@ def _overflowing_ids():
 
 
 def _wrapped_candidates():
-    req = _request(SEQS[:1], ["candidate_logprobs"])
+    req = kserve_request(SEQS[:1], ["candidate_logprobs"])
     cand = np.full((1, len(SEQS[0]), 2), 3, np.int64)
     cand[0, 2, 1] = (1 << 32) + 5                                             # would wrap to token 5 as int32
     return _ids_input(req, "candidate_ids", "INT64", list(cand.shape), cand.tobytes())
@@ -51,34 +49,35 @@ def _wrapped_candidates():
 
 # (name, request, the field its message must name); every one must be INVALID_ARGUMENT
 REFUSED = [
-    ("top_k half", lambda: _with(_request(SEQS, ["token_logprobs"]), top_k=2.5), "parameters[top_k]"),
-    ("top_k string", lambda: _with(_request(SEQS, ["token_logprobs"]), top_k="3"), "parameters[top_k]"),
-    ("top_p string", lambda: _with(_request(SEQS, ["token_logprobs"]), top_p="0.9"), "parameters[top_p]"),
-    ("top_p nan", lambda: _with(_request(SEQS, ["token_logprobs"]), top_p=float("nan")), "parameters[top_p]"),
-    ("k string", lambda: _with(_request(SEQS, ["topk_values"]), k="5"), "parameters[k]"),
-    ("k nan", lambda: _with(_request(SEQS, ["topk_values"]), k=float("nan")), "parameters[k]"),
-    ("k half", lambda: _with(_request(SEQS, ["topk_values"]), k=2.5), "parameters[k]"),
-    ("k over V", lambda: _with(_request(SEQS, ["topk_values"]), k=V + 1), "topk.k"),
-    ("seq_start float", lambda: _with(_request(SEQS, ["full_logits"]), seq_start=1.5), "parameters[seq_start]"),
-    ("seq_start string", lambda: _with(_request(SEQS, ["full_logits"]), seq_start="1"), "parameters[seq_start]"),
-    ("vocab_end float", lambda: _with(_request(SEQS, ["full_logits"]), vocab_end=9.5), "parameters[vocab_end]"),
-    ("vocab_end string", lambda: _with(_request(SEQS, ["full_logits"]), vocab_end="10"), "parameters[vocab_end]"),
-    ("temperature string", lambda: _with(_request(SEQS, ["token_logprobs"]), temperature="1.0"),
+    ("top_k half", lambda: _with(kserve_request(SEQS, ["token_logprobs"]), top_k=2.5), "parameters[top_k]"),
+    ("top_k string", lambda: _with(kserve_request(SEQS, ["token_logprobs"]), top_k="3"), "parameters[top_k]"),
+    ("top_p string", lambda: _with(kserve_request(SEQS, ["token_logprobs"]), top_p="0.9"), "parameters[top_p]"),
+    ("top_p nan", lambda: _with(kserve_request(SEQS, ["token_logprobs"]), top_p=float("nan")), "parameters[top_p]"),
+    ("k string", lambda: _with(kserve_request(SEQS, ["topk_values"]), k="5"), "parameters[k]"),
+    ("k nan", lambda: _with(kserve_request(SEQS, ["topk_values"]), k=float("nan")), "parameters[k]"),
+    ("k half", lambda: _with(kserve_request(SEQS, ["topk_values"]), k=2.5), "parameters[k]"),
+    ("k over V", lambda: _with(kserve_request(SEQS, ["topk_values"]), k=V + 1), "topk.k"),
+    ("seq_start float", lambda: _with(kserve_request(SEQS, ["full_logits"]), seq_start=1.5), "parameters[seq_start]"),
+    ("seq_start string", lambda: _with(kserve_request(SEQS, ["full_logits"]), seq_start="1"), "parameters[seq_start]"),
+    ("vocab_end float", lambda: _with(kserve_request(SEQS, ["full_logits"]), vocab_end=9.5), "parameters[vocab_end]"),
+    ("vocab_end string", lambda: _with(kserve_request(SEQS, ["full_logits"]), vocab_end="10"), "parameters[vocab_end]"),
+    ("temperature string", lambda: _with(kserve_request(SEQS, ["token_logprobs"]), temperature="1.0"),
      "parameters[temperature]"),
-    ("temperature inf", lambda: _with(_request(SEQS, ["token_logprobs"]), temperature=float("inf")),
+    ("temperature inf", lambda: _with(kserve_request(SEQS, ["token_logprobs"]), temperature=float("inf")),
      "parameters[temperature]"),
-    ("timeout_s string", lambda: _with(_request(SEQS, ["token_logprobs"]), timeout_s="5"), "parameters[timeout_s]"),
-    ("topk_as_logprobs string", lambda: _with(_request(SEQS, ["topk_values"]), k=3, topk_as_logprobs="false"),
+    ("timeout_s string", lambda: _with(kserve_request(SEQS, ["token_logprobs"]), timeout_s="5"), "parameters[timeout_s]"),
+    ("topk_as_logprobs string", lambda: _with(kserve_request(SEQS, ["topk_values"]), k=3, topk_as_logprobs="false"),
      "parameters[topk_as_logprobs]"),
-    ("topk_dtype int", lambda: _with(_request(SEQS, ["topk_values"]), k=3, topk_dtype=16), "parameters[topk_dtype]"),
-    ("unknown parameter", lambda: _with(_request(SEQS, ["topk_values"]), k=3, topk=3), "parameters[topk]"),
-    ("output k string", lambda: _output_k(_request(SEQS, ["topk_values"]), "4"), "outputs[topk_values].parameters[k]"),
+    ("topk_dtype int", lambda: _with(kserve_request(SEQS, ["topk_values"]), k=3, topk_dtype=16), "parameters[topk_dtype]"),
+    ("unknown parameter", lambda: _with(kserve_request(SEQS, ["topk_values"]), k=3, topk=3), "parameters[topk]"),
+    ("output k string", lambda: _output_k(kserve_request(SEQS, ["topk_values"]), "4"), "outputs[topk_values].parameters[k]"),
     ("wrapped candidate", _wrapped_candidates, "inputs[candidate_ids][0][2][1]"),
     ("overflowing input shape", _overflowing_ids, "inputs[input_ids].shape"),
     ("long id", lambda: kpb.ModelInferRequest(model_name="", id="x" * 5000), "id"),
 ]
 
 
+@pytest.mark.live_server
 def test_a_tensor_of_many_empty_rows_is_refused_before_any_row_is_built(llama_server):
     """[2^31, 0] input_ids hold no bytes but 2^31 rows (the 10,000-case fuzz found [2^32, 0]: a MemoryError, then
     INTERNAL), and dimensions numpy cannot hold together are refused too."""
@@ -89,7 +88,7 @@ def test_a_tensor_of_many_empty_rows_is_refused_before_any_row_is_built(llama_se
     assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, e.value.details()
     assert "--max-sequences-per-request" in e.value.details()
     for name, shape in (("input_ids", [1 << 32, 1 << 32, 0]), ("candidate_ids", [1, 1 << 32, 1 << 32, 0])):
-        req = _request(SEQS[:1], ["candidate_logprobs"]) if name == "candidate_ids" else kpb.ModelInferRequest()
+        req = kserve_request(SEQS[:1], ["candidate_logprobs"]) if name == "candidate_ids" else kpb.ModelInferRequest()
         req = _ids_input(req, name, "INT32", shape, b"")         # no bytes, but dims numpy cannot hold together
         with grpc.insecure_channel(llama_server.address) as ch:
             with pytest.raises(grpc.RpcError) as e:
@@ -115,13 +114,14 @@ def cli(request, model_dirs):
 
 
 def _check_next_is_exact(stub, ref):
-    resp = stub.ModelInfer(_with(_request(SEQS, ["token_logprobs"]), top_k=3))
-    lp = _tensor(resp, "token_logprobs")
+    resp = stub.ModelInfer(_with(kserve_request(SEQS, ["token_logprobs"]), top_k=3))
+    lp = kserve_tensor(resp, "token_logprobs")
     for b, s in enumerate(SEQS):
         want = ref_token_logprobs(ref.logits(s), s, top_k=3)
         np.testing.assert_allclose(lp[b, :len(s)], want, atol=1e-5)
 
 
+@pytest.mark.multi_process
 def test_every_malformed_kserve_parameter_is_refused_and_the_server_goes_on(cli, v_ref):
     with grpc.insecure_channel(cli.address) as ch:
         stub = kpb_grpc.GRPCInferenceServiceStub(ch)
@@ -135,9 +135,9 @@ def test_every_malformed_kserve_parameter_is_refused_and_the_server_goes_on(cli,
             assert len(details) < 400, (name, len(details))
         _check_next_is_exact(stub, v_ref)
         # lossless coercions are answered, exactly: whole-number doubles for integers
-        resp = stub.ModelInfer(_with(_request(SEQS, ["token_logprobs", "topk_values", "topk_ids"]), top_k=3.0,
+        resp = stub.ModelInfer(_with(kserve_request(SEQS, ["token_logprobs", "topk_values", "topk_ids"]), top_k=3.0,
                                      k=4.0, temperature=2))
-        lp, vals = _tensor(resp, "token_logprobs"), _tensor(resp, "topk_values")
+        lp, vals = kserve_tensor(resp, "token_logprobs"), kserve_tensor(resp, "topk_values")
         for b, s in enumerate(SEQS):
             z = v_ref.logits(s, temperature=2.0)
             np.testing.assert_allclose(lp[b, :len(s)], ref_token_logprobs(z, s, top_k=3), atol=1e-5)
@@ -145,6 +145,7 @@ def test_every_malformed_kserve_parameter_is_refused_and_the_server_goes_on(cli,
     assert cli.proc.poll() is None
 
 
+@pytest.mark.live_server
 def test_native_overflowing_candidate_shape_is_refused(llama_server):
     seq = np.array(SEQS[0], np.int32)
     req = pb.ForwardRequest(request_id="c", sequences=[pb.Tensor(dtype=pb.INT32, shape=[len(seq)], data=seq.tobytes())])
@@ -171,6 +172,7 @@ def json_server(model_dirs):
     assert server.stop() == 0
 
 
+@pytest.mark.live_server
 def test_request_ids_are_bounded_and_never_forge_log_lines(json_server, demo_cli_server):
     huge = "y" * (30 << 20)
     forged = "a\n2026-01-01 00:00:00,000 logitserve.requests INFO request forged OK: 1 tokens in 0.001 s"
@@ -196,6 +198,7 @@ def test_request_ids_are_bounded_and_never_forge_log_lines(json_server, demo_cli
                     json.loads(line)
 
 
+@pytest.mark.live_server
 def test_an_undecodable_message_ends_the_stream_with_invalid_argument(llama_server):
     with grpc.insecure_channel(llama_server.address) as ch:
         call = ch.stream_stream("/logitserve.v1.LogitServe/Forward", request_serializer=None,
@@ -209,6 +212,7 @@ def test_an_undecodable_message_ends_the_stream_with_invalid_argument(llama_serv
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "could not be decoded" in e.value.details()
 
 
+@pytest.mark.multi_process
 def test_a_second_server_on_a_served_port_exits_naming_the_port(demo_cli_server):
     port = demo_cli_server.address.rsplit(":", 1)[1]
     for extra in ([], ["--tp", "2"]):
@@ -222,6 +226,7 @@ def test_a_second_server_on_a_served_port_exits_naming_the_port(demo_cli_server)
         assert c.model_info().name == "logitserve-demo-causal"
 
 
+@pytest.mark.live_server
 def test_defaults_listen_on_loopback_and_warn_about_tokens_without_tls(tmp_path, model_dirs):
     from logitserve.server.cli import _serve_parser
     import argparse
@@ -239,6 +244,7 @@ def test_defaults_listen_on_loopback_and_warn_about_tokens_without_tls(tmp_path,
         assert server.stop() == 0
 
 
+@pytest.mark.live_server
 def test_reflection_answers_v1_and_v1alpha(llama_server):
     from grpc_reflection.v1alpha import reflection_pb2 as rpb
 

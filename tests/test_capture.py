@@ -12,10 +12,11 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import serve_dir
-from helpers import VOCAB, build_model
+from helpers import VOCAB, build_model, serve_dir
 from logitserve.client import TeacherClient
 from logitserve.client.capture import CaptureConfig, capture, read_capture, verify
+
+pytestmark = pytest.mark.live_server
 
 CFG = CaptureConfig(topk=8, logprobs=True, shard_samples=4, batch_samples=2, in_flight=2)
 

@@ -19,10 +19,11 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import serve_dir
-from helpers import VOCAB, build_model
+from helpers import VOCAB, build_model, serve_dir
 from logitserve.client import TeacherClient
 from logitserve.client.capture import CaptureConfig, capture
+
+pytestmark = pytest.mark.live_server
 
 K = 8
 TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}"     # word-level demo tokenizer: no specials

@@ -2,6 +2,7 @@
 hang up (tests/chaos_clients.py, in its own process); the server stays up, within its memory budget, and fair."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import statistics
@@ -14,9 +15,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import CliServer
+from helpers import CliServer, OVERHEAD, Rss
 from logitserve.client import TeacherClient
-from test_isolation import OVERHEAD, Rss
+from logitserve.demo import demo_config
 
 MiB = 2 ** 20
 TOKENS = ("polite", "stall", "hoard", "big", "storm", "httpbig", "nonreader", "idle", "forger")
@@ -76,6 +77,8 @@ def chaos(tmp_path, seconds: float, *layout: str) -> None:
     rng = np.random.default_rng(0)
     seqs = [rng.integers(3, 32000, 16).tolist() for _ in range(8)]
     try:
+        with TeacherClient(server.address, token=TOKENS[0]) as c:
+            before = c.model_info()
         unloaded, unloaded_http = [], []
         _both(server, min(10.0, seconds / 3), unloaded, unloaded_http, seqs)
         loaded, loaded_http = [], []
@@ -89,6 +92,12 @@ def chaos(tmp_path, seconds: float, *layout: str) -> None:
             out, _ = hostile.communicate(timeout=seconds + 120)
         seen = json.loads(out.strip().splitlines()[-1])
         assert server.proc.poll() is None, "".join(server.log[-40:])
+        with TeacherClient(server.address, token=TOKENS[0]) as c:   # still serving the model it started with
+            after = c.model_info()
+        cfg, tp = demo_config("causal"), int(layout[layout.index("--tp") + 1]) if "--tp" in layout else 1
+        assert (after.kind, after.architecture, after.vocab_size, after.tp_size, after.world_size) == \
+            ("causal_lm", cfg.architectures[0], cfg.vocab_size, tp, tp), after
+        assert dataclasses.replace(after, shared_prefix_tokens=0) == dataclasses.replace(before, shared_prefix_tokens=0)
         for name, before, after in (("gRPC", unloaded, loaded), ("HTTP", unloaded_http, loaded_http)):
             p50u, p99u = _percentiles([t for t, _, _ in before])
             p50, p99 = _percentiles([t for t, _, _ in after])
@@ -109,26 +118,28 @@ def chaos(tmp_path, seconds: float, *layout: str) -> None:
         assert set(seen.get("http-forged", {})) <= {"403", "cut"} and seen["http-forged"].get("403")
         assert all(code in ("OK", "RESOURCE_EXHAUSTED", "CANCELLED", "UNAVAILABLE", "held", "sent", "200", "403",
                             "429", "cut") for counts in seen.values() for code in counts), seen
-        with TeacherClient(server.address, token=TOKENS[0]) as c:
-            assert c.model_info() is not None
     finally:
         assert server.stop() == 0
 
 
+@pytest.mark.live_server
 def test_chaos_short_tp1(tmp_path):
     chaos(tmp_path, 30.0)
 
 
+@pytest.mark.live_server
 @pytest.mark.slow
 def test_chaos_tp1(tmp_path):
     chaos(tmp_path, 300.0)
 
 
+@pytest.mark.multi_process
 @pytest.mark.slow
 def test_chaos_tp2(tmp_path):
     chaos(tmp_path, 300.0, "--tp", "2")
 
 
+@pytest.mark.multi_process
 @pytest.mark.slow
 def test_chaos_pp2(tmp_path):
     chaos(tmp_path, 300.0, "--pp", "2")

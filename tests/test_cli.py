@@ -4,7 +4,9 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from conftest import CliServer
+import pytest
+
+from helpers import CliServer
 from logitserve.loading import content_hash
 
 
@@ -15,12 +17,14 @@ def _cli(*args: str) -> str:
     return out.stdout
 
 
+@pytest.mark.live_server
 def test_info_reports_the_demo_model(demo_cli_server):
     out = _cli("info", demo_cli_server.address)
     assert "logitserve-demo-causal" in out and "LlamaForCausalLM" in out and "32000" in out
     assert "blake2b:" in out and "causal_lm" in out
 
 
+@pytest.mark.live_server
 def test_query_prints_a_table_of_logprobs_and_topk(demo_cli_server):
     out = _cli("query", demo_cli_server.address, "--ids", "1,5,9,200", "--topk", "3")
     rows = [line.split() for line in out.splitlines() if line.strip() and line.split()[0].isdigit()]
@@ -30,6 +34,7 @@ def test_query_prints_a_table_of_logprobs_and_topk(demo_cli_server):
     assert all(len(r) == 4 + 3 for r in rows)   # pos, token, text, logprob, 3 x id:logprob
 
 
+@pytest.mark.live_server
 def test_query_of_a_text_prints_the_ids_the_server_tokenized(demo_cli_server):
     out = _cli("query", demo_cli_server.address, "--text", "t5 t9 t200", "--topk", "2")
     rows = [line.split() for line in out.splitlines() if line.strip() and line.split()[0].isdigit()]
@@ -37,12 +42,14 @@ def test_query_of_a_text_prints_the_ids_the_server_tokenized(demo_cli_server):
     assert float(rows[0][3]) == 0.0 and all(float(r[3]) < 0 for r in rows[1:])
 
 
+@pytest.mark.live_server
 def test_query_of_a_bad_id_prints_the_status_and_fails(demo_cli_server):
     out = subprocess.run([sys.executable, "-m", "logitserve.server.cli", "query", demo_cli_server.address,
                           "--ids", "1,99999"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 1 and "INVALID_ARGUMENT" in out.stderr and "sequences[0][1]" in out.stderr
 
 
+@pytest.mark.live_server
 def test_export_demo_is_deterministic(tmp_path):
     a, b = tmp_path / "a", tmp_path / "b"
     _cli("export-demo", str(a))
@@ -51,6 +58,7 @@ def test_export_demo_is_deterministic(tmp_path):
     assert (a / "tokenizer.json").exists() and (a / "config.json").exists()
 
 
+@pytest.mark.live_server
 def test_reward_demo_serves_scores_and_stops_cleanly_on_sigterm():
     from logitserve.client import TeacherClient
 
@@ -66,6 +74,7 @@ def test_reward_demo_serves_scores_and_stops_cleanly_on_sigterm():
     assert code == 0
 
 
+@pytest.mark.fresh_venv
 def test_serve_without_the_server_extras_says_what_to_install():
     code = ("import importlib.util, sys; real = importlib.util.find_spec\n"
             "importlib.util.find_spec = lambda name, *a: None if name in ('torch', 'grpc_health') else real(name, *a)\n"

@@ -9,6 +9,8 @@ from logitserve.client import LogitServeError
 from logitserve.client.assemble import Assembly
 from logitserve.v1 import logitserve_pb2 as pb
 
+pytestmark = pytest.mark.unit
+
 
 def _chunk(r0, r1, c0, c1, full=(4, 6), value=1.0):
     data = np.full((r1 - r0, c1 - c0), value, "<f4")

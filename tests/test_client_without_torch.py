@@ -6,9 +6,12 @@ import os
 import subprocess
 import sys
 
+import pytest
 import numpy as np
 
 from helpers import ref_token_logprobs
+
+pytestmark = pytest.mark.live_server
 
 SCRIPT = r"""
 import json, sys

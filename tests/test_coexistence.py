@@ -8,7 +8,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-from conftest import CliServer
+import pytest
+
+from helpers import CliServer
+
+pytestmark = pytest.mark.fresh_venv
 
 ROOT = Path(__file__).parent.parent
 

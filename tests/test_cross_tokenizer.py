@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import serve_dir
+from helpers import serve_dir
 from logitserve.client import TeacherClient
 from logitserve.client.align import align_by_byte_offsets, shared_vocabulary, token_byte_offsets
 from logitserve.client.gold import gold_loss
@@ -77,6 +77,7 @@ def _piece_bytes(tok, ids) -> list[bytes]:
     return [bytes(table[c] for c in piece) for piece in tok.convert_ids_to_tokens(list(ids))]
 
 
+@pytest.mark.live_server
 def test_server_offsets_are_utf8_byte_spans(teacher, tokenizers):
     with TeacherClient(teacher.address) as c:
         r = c.forward(TEXTS, logprobs=True, input_offsets=True, add_special_tokens=False)
@@ -109,6 +110,7 @@ def _reference_groups(s_off, t_off):
     return out
 
 
+@pytest.mark.unit
 def test_alignment_matches_reference(tokenizers):
     teacher_tok, student_tok = tokenizers
     straddles = 0
@@ -163,6 +165,7 @@ def _reference_loss(s_logits, t_logits, s_ids, t_ids, pairs, shared, beta, merge
     return w * jsd + (1 - w) * l1_sorted(s_rest, t_rest)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("merge", ["bayesian", "observed"])
 @pytest.mark.parametrize("hybrid", [False, True])
 def test_gold_loss_matches_reference(tokenizers, merge, hybrid):

@@ -6,11 +6,11 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import ServerThread, random_seqs, ref_token_logprobs
+from helpers import ServerThread, assert_close, random_seqs, ref_token_logprobs
 from logitserve.client import LogitServeError, TeacherClient
-from test_outputs import _close
 
 
+@pytest.mark.live_server
 def test_a_request_that_runs_out_of_memory_alone_gets_resource_exhausted(model_dirs):
     """A simulated allocator failure on any sequence of 300+ tokens: the batch is redone per job, that job's
     request ends RESOURCE_EXHAUSTED naming memory, the others in its batch are served exactly, the server stays."""
@@ -61,7 +61,7 @@ def test_a_request_that_runs_out_of_memory_alone_gets_resource_exhausted(model_d
         assert isinstance(err, LogitServeError) and err.code.name == "RESOURCE_EXHAUSTED", err
         assert "memory" in str(err) and "simulated" in str(err)
         for seq, lp in zip(small, results["small"]):
-            _close(lp, ref_token_logprobs(ref.logits(seq), seq))
+            assert_close(lp, ref_token_logprobs(ref.logits(seq), seq))
         with TeacherClient(server.address) as c:                        # and it keeps serving
             assert len(c.logprobs(small)) == 2
     finally:
@@ -78,6 +78,7 @@ def _fake_varlen(signature: str):
     return namespace["varlen_attn"], calls
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("signature,window,gqa,expect", [
     ("scale=None, window_size=(-1, -1), enable_gqa=False", None, True,
      {"window_size": (-1, 0), "enable_gqa": True}),
@@ -111,6 +112,7 @@ def test_varlen_arguments_follow_the_installed_signature(monkeypatch, signature,
     assert calls[0]["k"].shape[1] == (heads_kv if expect.get("enable_gqa") else 4)   # grouped, or repeated
 
 
+@pytest.mark.unit
 def test_capability_probe_on_cpu():
     from logitserve.capabilities import probe
 
@@ -120,6 +122,7 @@ def test_capability_probe_on_cpu():
         __import__("torch.nn.attention.varlen", fromlist=["varlen_attn"]).varlen_attn).parameters)
 
 
+@pytest.mark.unit
 def test_versions_below_the_floor_are_refused_in_one_line():
     from logitserve.preflight import StartupError, check_versions
 
@@ -135,6 +138,7 @@ def test_versions_below_the_floor_are_refused_in_one_line():
             raise AssertionError(installed)
 
 
+@pytest.mark.multi_process
 def test_nccl_options_make_timeouts_raise(monkeypatch):
     from logitserve.parallel import nccl_options
 
@@ -151,6 +155,7 @@ def test_nccl_options_make_timeouts_raise(monkeypatch):
     assert ("device_id" in kw) == ("device_id" in inspect.signature(dist.init_process_group).parameters)
 
 
+@pytest.mark.unit
 def test_a_gpu_server_gets_a_memory_budget_from_the_free_device_memory():
     from logitserve.server.app import ServerConfig
     from logitserve.server.startup import device_budget

@@ -8,9 +8,12 @@ from pathlib import Path
 
 import yaml
 
+import pytest
+
 ROOT = Path(__file__).parent.parent
 
 
+@pytest.mark.unit
 def test_k8s_example_has_probes_a_gpu_and_a_headless_service():
     docs = list(yaml.safe_load_all((ROOT / "deploy/k8s/teacher.yaml").read_text()))
     deploy = next(d for d in docs if d["kind"] == "Deployment")
@@ -31,6 +34,7 @@ def test_k8s_example_has_probes_a_gpu_and_a_headless_service():
     assert pod["spec"]["securityContext"]["runAsNonRoot"] is True
 
 
+@pytest.mark.unit
 def test_dockerfile_runs_as_a_user_with_a_healthcheck():
     text = (ROOT / "Dockerfile").read_text()
     assert "USER logitserve" in text and "useradd" in text
@@ -39,6 +43,7 @@ def test_dockerfile_runs_as_a_user_with_a_healthcheck():
     assert "--nproc-per-node 2" in script and "--tp 2" in script
 
 
+@pytest.mark.live_server
 def test_health_command_answers_for_a_live_server_and_fails_for_none(demo_cli_server):
     run = lambda addr: subprocess.run([sys.executable, "-m", "logitserve.server.cli", "health", addr,  # noqa: E731
                                        "--timeout", "3"], capture_output=True, text=True, timeout=60)
@@ -48,6 +53,7 @@ def test_health_command_answers_for_a_live_server_and_fails_for_none(demo_cli_se
     assert down.returncode == 1 and "UNAVAILABLE" in down.stderr
 
 
+@pytest.mark.unit
 def test_k8s_multinode_example_launches_a_valid_torchrun_and_serve():
     """The LeaderWorkerSet's command parses with torchrun's own parser and logitserve's, its ranks fill tp x cp,
     node 0 (the leader, static rendezvous on its address) holds rank 0, and the Service selects leaders only."""

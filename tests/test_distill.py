@@ -7,6 +7,8 @@ import torch
 
 from logitserve.client.distill import TeacherBatch, kd_loss
 
+pytestmark = pytest.mark.unit
+
 B, L, V, K = 3, 7, 50, 6
 LOG_INF = -100.0
 

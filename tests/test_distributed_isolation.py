@@ -16,6 +16,8 @@ import torch.multiprocessing as mp
 
 from helpers import Reference, build_model, ref_token_logprobs
 
+pytestmark = pytest.mark.multi_process
+
 V = 1003
 
 

@@ -20,7 +20,9 @@ from pathlib import Path
 
 import pytest
 
-from conftest import CliServer
+from helpers import CliServer
+
+pytestmark = pytest.mark.live_server
 
 ROOT = Path(__file__).parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]

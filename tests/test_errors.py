@@ -10,6 +10,8 @@ from logitserve.client import LogitServeError
 from logitserve.v1 import logitserve_pb2 as pb
 from logitserve.v1 import logitserve_pb2_grpc as pb_grpc
 
+pytestmark = pytest.mark.live_server
+
 GOOD = [5, 9, 77, 300]
 MAX_LEN = 512
 

@@ -12,6 +12,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+pytestmark = pytest.mark.live_server
+
 EXAMPLES = Path(__file__).parent.parent / "examples"
 
 

@@ -36,6 +36,7 @@ def _client_only(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", CLIENT_ONLY, *args], capture_output=True, text=True, timeout=120)
 
 
+@pytest.mark.fresh_venv
 def test_client_commands_work_on_a_client_only_install(demo_cli_server):
     port = demo_cli_server.address.rsplit(":", 1)[1]
     health = _client_only("health", demo_cli_server.address)
@@ -64,6 +65,7 @@ def _serve_fails(*args: str) -> subprocess.CompletedProcess:
     return run
 
 
+@pytest.mark.multi_process
 def test_start_up_errors_are_one_line_each(tmp_path):
     assert "--model /nonexistent/x: no such directory" in _serve_fails("--model", "/nonexistent/x").stderr
     hub = _serve_fails("--model", "Qwen/Qwen3-8B").stderr
@@ -75,6 +77,7 @@ def test_start_up_errors_are_one_line_each(tmp_path):
     assert "num_attention_heads=8 does not divide by --tp 3" in layout
 
 
+@pytest.mark.live_server
 def test_a_port_held_by_another_program_is_one_line():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -85,6 +88,7 @@ def test_a_port_held_by_another_program_is_one_line():
     assert run.returncode == 1 and "Traceback" not in run.stderr and "in use" in run.stderr, run.stderr
 
 
+@pytest.mark.live_server
 def test_cli_polish():
     assert with_port("localhost") == "localhost:50051" and with_port("10.0.0.1:7000") == "10.0.0.1:7000"
     assert with_port("[::1]") == "[::1]:50051" and with_port("dns:///teacher.svc:50051") == "dns:///teacher.svc:50051"
@@ -107,6 +111,7 @@ def test_cli_polish():
     assert "(default: 5)" in query and "LOGITSERVE_TOKEN" in query
 
 
+@pytest.mark.live_server
 def test_detokenize_spells_ids_as_the_models_tokenizer_does(demo_cli_server, model_dirs):
     from transformers import AutoTokenizer
 
@@ -122,7 +127,7 @@ def test_detokenize_spells_ids_as_the_models_tokenizer_does(demo_cli_server, mod
     assert list(d.tokens) == ref.convert_ids_to_tokens(ids)
     assert list(d.texts) == [ref.decode([x]) for x in ids] and d.unk_token_id == ref.unk_token_id == 0
     assert bad.value.code.name == "INVALID_ARGUMENT" and "ids[1]: 32000 is outside [0, 32000)" in bad.value.details
-    from conftest import serve_dir
+    from helpers import serve_dir
 
     bare = serve_dir(model_dirs["llama"])             # a directory without tokenizer files
     try:
@@ -133,6 +138,7 @@ def test_detokenize_spells_ids_as_the_models_tokenizer_does(demo_cli_server, mod
         bare.stop()
 
 
+@pytest.mark.live_server
 def test_query_shows_each_tokens_text_and_warns_about_unknown_words(demo_cli_server):
     run = subprocess.run([sys.executable, "-m", "logitserve.server.cli", "query", demo_cli_server.address,
                           "--text", "t5 hello t9"], capture_output=True, text=True, timeout=120)
@@ -142,6 +148,7 @@ def test_query_shows_each_tokens_text_and_warns_about_unknown_words(demo_cli_ser
     assert [r[2] for r in rows][-3:] == ["'t5'", "'<unk>'", "'t9'"], run.stdout
 
 
+@pytest.mark.fresh_venv
 def test_a_real_client_only_venv_runs_every_client_command(demo_cli_server, tmp_path):
     """`pip install logitserve` (no extras) in a fresh venv: health, info and query work; serve, export-demo and
     capture each say in one line which extra to install (torch pinned)."""

@@ -42,6 +42,7 @@ def _reference(student: torch.Tensor, teacher_z: torch.Tensor, kind: str, beta: 
         (1 - beta) * F.kl_div(m, s, reduction="none", log_target=True).sum(-1)
 
 
+@pytest.mark.live_server
 @pytest.mark.parametrize("kind,beta", [("forward", 0.5), ("reverse", 0.5), ("jsd", 0.5), ("jsd", 0.1), ("jsd", 0.0),
                                        ("jsd", 1.0)])
 @pytest.mark.parametrize("reduction", ["token", "sequence", "sum"])
@@ -67,6 +68,7 @@ def test_full_kd_matches_dense_float64(served, kind, beta, reduction):
     assert torch.allclose(mine, student.grad, rtol=1e-9, atol=1e-12)
 
 
+@pytest.mark.live_server
 def test_full_kd_on_served_logits_and_bad_arguments(served, llama_server):
     h, mask, head = served
     z = head(h)                                                      # teacher logits given directly
@@ -84,6 +86,7 @@ def test_full_kd_on_served_logits_and_bad_arguments(served, llama_server):
         full_kd_loss(student, h, head=head, kind="jsd", beta=1.5)
 
 
+@pytest.mark.unit
 def test_kl_from_logits_with_masked_columns():
     """-inf logits (a masked vocabulary) carry no mass: their terms are 0, not nan; KL to a -inf the other side
     gives mass to is inf."""

@@ -14,8 +14,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import CliServer
-from helpers import ref_token_logprobs
+from helpers import CliServer, ref_token_logprobs
 from logitserve.client import TeacherClient
 from logitserve.kserve import grpc_predict_v2_pb2 as kpb
 from logitserve.kserve import grpc_predict_v2_pb2_grpc as kpb_grpc
@@ -216,7 +215,10 @@ def fuzz_server(model_dirs):
 
 def _exchange(stub, reqs: list, hang_up: bool, seen: Counter) -> None:
     """Send one stream; count what came back. A hang of the server shows as this call's own deadline, which is
-    not an allowed status."""
+    not an allowed status. A request answered in full reports the chunks that arrived for it and its tokens."""
+    ids = Counter(r.request_id for r in reqs if not r.cancel)
+    sent = {r.request_id: r for r in reqs if not r.cancel and ids[r.request_id] == 1}   # ids told apart
+    chunks = Counter()
     call = stub.Forward(iter(reqs), timeout=30)
     try:
         for msg in call:
@@ -225,13 +227,20 @@ def _exchange(stub, reqs: list, hang_up: bool, seen: Counter) -> None:
                 seen["hung up mid-response"] += 1
                 return
             kind = msg.WhichOneof("body")
-            if kind == "error":
+            if kind == "chunk":
+                chunks[msg.request_id] += 1
+            elif kind == "error":
                 code = CODES.get(msg.error.code)
                 assert code in ALLOWED, f"{code}: {msg.error.message}"
                 assert msg.error.message
                 seen[f"request {code.name}"] += 1
             elif kind == "done":
-                assert msg.done.num_chunks >= 0
+                if msg.request_id in sent:
+                    assert msg.done.num_chunks == chunks[msg.request_id], (msg.done.num_chunks, chunks)
+                    if not sent[msg.request_id].texts:
+                        want = sum(int(np.prod(t.shape)) for t in sent[msg.request_id].sequences)
+                        assert msg.done.num_tokens == want, (msg.done.num_tokens, want)
+                    seen["done checked"] += 1
                 seen["request done"] += 1
         seen["stream OK"] += 1
     except grpc.RpcError as e:
@@ -285,6 +294,7 @@ def _run(fuzz_server, reference, examples: int, kserve_examples: int = 0) -> Non
         assert seen["kserve OK"] > 0
     assert server.proc.poll() is None, "the server died"
     assert seen["request done"] > 0                               # well-formed fuzzed requests really ran
+    assert seen["done checked"] > 0                               # ... and their chunk counts were checked
     seq = np.array([1, 5, 9, 200, 31, 7])
     with TeacherClient(server.address) as c:                    # still serving, and right
         lp = c.logprobs([seq])[0]
@@ -297,6 +307,7 @@ def _run(fuzz_server, reference, examples: int, kserve_examples: int = 0) -> Non
     assert peak - rss0 < 300 << 20, f"server RSS grew {(peak - rss0) >> 20} MiB over {examples} malformed streams"
 
 
+@pytest.mark.live_server
 def test_fuzzed_requests_get_clear_statuses(fuzz_server, llama_ref):
     _run(fuzz_server, llama_ref, 300, kserve_examples=300)
 
@@ -311,10 +322,12 @@ def fuzz_server_tp2(model_dirs):
     assert server.stop() == 0
 
 
+@pytest.mark.multi_process
 def test_fuzzed_requests_at_tp2(fuzz_server_tp2, llama_ref):
     _run(fuzz_server_tp2, llama_ref, 100, kserve_examples=150)
 
 
+@pytest.mark.live_server
 @pytest.mark.slow
 def test_ten_thousand_fuzzed_requests(fuzz_server, llama_ref):
     _run(fuzz_server, llama_ref, 10_000, kserve_examples=10_000)

@@ -8,9 +8,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).parent.parent
 
 
+@pytest.mark.fresh_venv
 def test_gpu_check_dry_run(tmp_path):
     env = {**os.environ, "PYTHON": sys.executable, "OUT": str(tmp_path / "out")}
     run = subprocess.run(["bash", "bench/gpu_check.sh", "--dry-run"], cwd=ROOT, env=env, capture_output=True,
@@ -27,6 +30,7 @@ def test_gpu_check_dry_run(tmp_path):
     assert "logitserve_from" in log and "/site/logitserve/" in log       # logitserve came from the wheel
 
 
+@pytest.mark.fresh_venv
 def test_gpu_wheels_install_for_cp312_manylinux(tmp_path):
     """The set `make gpu-wheels` carries: one version of each, and pip installs all of it into a clean --target
     with the lent image's platform (cp312, manylinux x86_64); the script checks that itself."""

@@ -7,8 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import CliServer, serve_dir
-from helpers import Reference, build_model, filter_rows_decided, ref_token_logprobs
+from helpers import CliServer, Reference, build_model, filter_rows_decided, ref_token_logprobs, serve_dir
 from logitserve.client import LogitServeError, TeacherClient
 
 V = 1003
@@ -64,6 +63,7 @@ def _check_against_reference(r, ref, seqs, prompts, cands, T, top_p):
         np.testing.assert_allclose(r.topk_tail[i], tail, atol=1e-4)
 
 
+@pytest.mark.multi_process
 def test_grouped_results_equal_each_sequence_alone(grouped_server):
     server, ref = grouped_server
     rng = np.random.default_rng(7)
@@ -78,6 +78,7 @@ def test_grouped_results_equal_each_sequence_alone(grouped_server):
     _check_against_reference(r, ref, seqs, prompts, cands, 0.8, 0.95)
 
 
+@pytest.mark.live_server
 def test_groups_split_over_small_packs_stay_exact(long_model):
     """Packs of 300 tokens: groups are split, each part with its own copy of the prefix."""
     directory, ref = long_model
@@ -94,6 +95,7 @@ def test_groups_split_over_small_packs_stay_exact(long_model):
         server.stop()
 
 
+@pytest.mark.multi_process
 def test_changing_one_continuation_leaves_the_others_unchanged(grouped_server):
     server, _ = grouped_server
     rng = np.random.default_rng(11)
@@ -111,6 +113,7 @@ def test_changing_one_continuation_leaves_the_others_unchanged(grouped_server):
     assert not np.array_equal(a.logprobs[2], b.logprobs[2])
 
 
+@pytest.mark.live_server
 def test_grouped_reward_scores_equal_each_sequence_alone(tmp_path_factory):
     directory = build_model(tmp_path_factory.mktemp("rm") / "llama", "llama", kind="reward", vocab=V, max_pos=1024,
                             num_labels=2, seed=4)
@@ -132,6 +135,7 @@ def test_grouped_reward_scores_equal_each_sequence_alone(tmp_path_factory):
         server.stop()
 
 
+@pytest.mark.live_server
 def test_prompt_lengths_in_exact_mode_share_nothing_and_stay_bitwise(long_model):
     directory, ref = long_model
     server = serve_dir(directory, batching="exact")
@@ -157,6 +161,7 @@ def test_prompt_lengths_in_exact_mode_share_nothing_and_stay_bitwise(long_model)
         server.stop()
 
 
+@pytest.mark.live_server
 def test_prompt_lengths_out_of_range_are_refused(llama_server):
     from logitserve.v1 import logitserve_pb2 as pb
     from logitserve.v1 import logitserve_pb2_grpc as pb_grpc
@@ -187,6 +192,7 @@ def sharded_server(request, long_model):
     assert server.stop() == 0, "".join(server.log[-20:])
 
 
+@pytest.mark.live_server
 def test_empty_spans_and_slices_keep_the_ranks_in_step(sharded_server):
     """P = L beside a full-logits slice: every rank takes the same steps (TP 2 gathers the slices, CP 2 every
     step), so the server answers, stays up and the next request is exact."""

@@ -14,10 +14,12 @@ import grpc
 import numpy as np
 import pytest
 
-from conftest import CliServer, serve_dir
+from helpers import CliServer, serve_dir
 from logitserve.client import LogitServeError, TeacherClient
 from logitserve.v1 import logitserve_pb2 as pb
 from logitserve.v1 import logitserve_pb2_grpc as pb_grpc
+
+pytestmark = pytest.mark.live_server
 
 STALL_S = 2.0
 

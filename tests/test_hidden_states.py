@@ -13,10 +13,8 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import CliServer, serve_dir
-from helpers import Reference, random_seqs
+from helpers import CliServer, Reference, build_transformed_head, random_seqs, serve_dir
 from logitserve.client import LogitServeError, TeacherClient
-from test_head_transforms import _build as build_transformed
 
 V = 1003
 LENGTHS = [1, 7, 40, 19]
@@ -38,7 +36,7 @@ def _tied(directory):
 @pytest.fixture(scope="module")
 def dirs(tmp_path_factory, model_dirs):
     root = tmp_path_factory.mktemp("hidden")
-    return {"llama": model_dirs["llama"], "tied": _tied(root / "tied"), "gemma2": build_transformed(root / "gemma2", "gemma2")}
+    return {"llama": model_dirs["llama"], "tied": _tied(root / "tied"), "gemma2": build_transformed_head(root / "gemma2", "gemma2")}
 
 
 def _rebuild_matches(address, ref: Reference, cache, tied: bool, softcap: float):
@@ -69,6 +67,7 @@ def _rebuild_matches(address, ref: Reference, cache, tied: bool, softcap: float)
         assert ((head(hb, temperature=0.7) - served).abs() <= bound).all()
 
 
+@pytest.mark.live_server
 @pytest.mark.parametrize("arch", ["llama", "gemma2", "tied"])
 def test_rebuilt_logits_equal_served_tp1(dirs, arch, tmp_path):
     server = serve_dir(dirs[arch], chunk_size=16)
@@ -79,6 +78,7 @@ def test_rebuilt_logits_equal_served_tp1(dirs, arch, tmp_path):
         server.stop()
 
 
+@pytest.mark.multi_process
 @pytest.mark.parametrize("arch", ["llama", "gemma2", "tied"])
 def test_rebuilt_logits_equal_served_tp2(dirs, arch, tmp_path):
     server = CliServer("--model", str(dirs[arch]), "--tp", "2", "--logprob-chunk-size", "16")
@@ -89,6 +89,7 @@ def test_rebuilt_logits_equal_served_tp2(dirs, arch, tmp_path):
         assert server.stop() == 0
 
 
+@pytest.mark.live_server
 def test_hidden_rows_follow_prompt_lengths_and_logprobs(llama_server, tmp_path):
     seqs = random_seqs(np.random.default_rng(6), [12, 30, 5], vocab=V)
     P = [4, 29, 5]                                     # the last: P = L, no rows
@@ -104,6 +105,7 @@ def test_hidden_rows_follow_prompt_lengths_and_logprobs(llama_server, tmp_path):
             assert np.allclose(mine.numpy(), r.logprobs[j], atol=1e-5)
 
 
+@pytest.mark.live_server
 def test_head_is_cached_verified_and_splits_over_devices(llama_server, tmp_path):
     seqs = random_seqs(np.random.default_rng(7), [9], vocab=V)
     with TeacherClient(llama_server.address) as c:
@@ -129,6 +131,7 @@ def test_head_is_cached_verified_and_splits_over_devices(llama_server, tmp_path)
     assert torch.allclose(torch.cat([z for _, z in chunks]), whole(h), atol=1e-6, rtol=0)   # GEMM shapes differ
 
 
+@pytest.mark.live_server
 def test_bad_hidden_requests_name_the_field(llama_server, reward_dirs):
     # fp16 on the wire is refused by the server (sent raw, past the client's own check)
     from logitserve.v1 import logitserve_pb2 as pb
@@ -157,6 +160,7 @@ def test_bad_hidden_requests_name_the_field(llama_server, reward_dirs):
         reward.stop()
 
 
+@pytest.mark.multi_process
 def test_hidden_states_under_cp2_assembled_by_position(dirs, llama_server):
     seqs = random_seqs(np.random.default_rng(8), [3, 37, 20], vocab=V)
     P = [1, 30, 20]

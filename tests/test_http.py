@@ -18,9 +18,8 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import serve_dir
-from helpers import VOCAB, Reference, build_model, random_seqs, ref_rank_bounds, ref_token_logprobs
-from test_outputs import _close, _separated
+from helpers import (VOCAB, Reference, assert_close, build_model, post, random_seqs, ref_rank_bounds,
+                     ref_token_logprobs, separated, serve_dir)
 
 K = 5
 
@@ -37,18 +36,6 @@ def http_model(tmp_path_factory):
     server.stop()
 
 
-def post(base: str, path: str, body, headers=None) -> tuple[int, object]:
-    data = body if isinstance(body, bytes) else json.dumps(body).encode()
-    req = urllib.request.Request(base + path, data=data, headers={"Content-Type": "application/json",
-                                                                 **(headers or {})})
-    try:
-        with urllib.request.urlopen(req, timeout=120) as r:
-            raw = r.read()
-            return r.status, json.loads(raw) if raw else None
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
-
-
 def get(base: str, path: str) -> tuple[int, bytes]:
     try:
         with urllib.request.urlopen(base + path, timeout=30) as r:
@@ -63,21 +50,22 @@ def _check_position(entry: dict, z_row: torch.Tensor, target: int, k: int, lo: i
     items = list(entry.items())
     first_id, first = items[0]
     assert int(first_id) == target
-    _close([first["logprob"]], [lsm[target].item()])
+    assert_close([first["logprob"]], [lsm[target].item()])
     assert lo <= first["rank"] <= hi
     top = [(int(i), e) for i, e in items if not (int(i) == target and e is first)]
     sorted_v, sorted_i = torch.sort(lsm, descending=True)
     assert len(items) in (k, k + 1) and (len(items) == k) == (first["rank"] <= k)
     ranks = [e["rank"] for _, e in top]
     assert ranks == sorted(ranks) and set(ranks) <= set(range(1, k + 1))
-    sep = _separated(sorted_v[None].numpy(), k)[0]
+    sep = separated(sorted_v[None].numpy(), k)[0]
     for i, e in top:
         r = e["rank"] - 1
-        _close([e["logprob"]], [sorted_v[r].item()])
+        assert_close([e["logprob"]], [sorted_v[r].item()])
         if sep[r]:
             assert i == sorted_i[r].item()
 
 
+@pytest.mark.live_server
 def test_openai_package_echo_prompt_logprobs(http_model):
     """The `openai` package's completions.create as ms-swift's echo-style call: every position checked."""
     import openai
@@ -97,11 +85,12 @@ def test_openai_package_echo_prompt_logprobs(http_model):
         _check_position(plp[t], z[t - 1], seq[t], K, lo[t], hi[t])
     block = choice.logprobs
     assert block.token_logprobs[0] is None and len(block.tokens) == len(seq)
-    _close(block.token_logprobs[1:], ref_token_logprobs(z, seq)[1:])
+    assert_close(block.token_logprobs[1:], ref_token_logprobs(z, seq)[1:])
     assert all(len(d) <= K + 1 for d in block.top_logprobs[1:])
     assert out.usage.prompt_tokens == len(seq) and out.usage.completion_tokens == 0
 
 
+@pytest.mark.live_server
 def test_ms_swift_and_trl_vllm_requests(http_model):
     """ms-swift's fetch_teacher_logprobs and TRL's post-#6765 teacher call: prompt_logprobs with max_tokens 1, a
     batch of prompts, temperature applied (0.7), parsed as they parse it (skip 0, sort, keep k)."""
@@ -120,7 +109,7 @@ def test_ms_swift_and_trl_vllm_requests(http_model):
             assert len(top) == K
         # TRL: the actual token's logprob by its string id
         got = [plp[t][str(seq[t])]["logprob"] for t in range(1, len(seq))]
-        _close(got, ref_token_logprobs(z, seq)[1:])
+        assert_close(got, ref_token_logprobs(z, seq)[1:])
         greedy = choice["text"]                                                  # max_tokens 1: the greedy token
         sorted_v = torch.sort(z[-1], descending=True).values
         if sorted_v[0] - sorted_v[1] > 1e-5:
@@ -128,6 +117,7 @@ def test_ms_swift_and_trl_vllm_requests(http_model):
     assert out["usage"]["completion_tokens"] == 3
 
 
+@pytest.mark.live_server
 def test_prompt_logprob_start_and_prime_rl_generate(http_model):
     """prompt_logprob_start (response rows only; earlier entries null) and prime-rl's /inference/v1/generate,
     with vLLM PR #54335's per-row candidate ids as a .npy answer."""
@@ -139,12 +129,12 @@ def test_prompt_logprob_start_and_prime_rl_generate(http_model):
                                                  "prompt_logprob_start": 11})
     plp = out["choices"][0]["prompt_logprobs"]
     assert status == 200 and plp[:12] == [None] * 12 and len(plp) == 20
-    _close([plp[t][str(seq[t])]["logprob"] for t in range(12, 20)], lp[12:])
+    assert_close([plp[t][str(seq[t])]["logprob"] for t in range(12, 20)], lp[12:])
     status, out = post(base, "/inference/v1/generate", {"model": "teacher", "token_ids": seq, "sampling_params": {
         "max_tokens": 1, "temperature": 1.0, "top_p": 1.0, "prompt_logprobs": 1}})
     assert status == 200
     got = [0.0 if e is None else next(iter(e.values()))["logprob"] for e in out["prompt_logprobs"]]   # prime-rl
-    _close(got, lp)
+    assert_close(got, lp)
     cand = np.random.default_rng(8).integers(0, VOCAB, (20 - 1 - 4, 3))
     status, out = post(base, "/inference/v1/generate", {"token_ids": seq, "sampling_params": {
         "max_tokens": 1, "prompt_logprob_start": 4, "prompt_logprob_token_ids": cand.tolist()}})
@@ -154,9 +144,10 @@ def test_prompt_logprob_start_and_prime_rl_generate(http_model):
     arr = np.load(io.BytesIO(base64.b64decode(out["prompt_token_id_logprobs"])))
     want = torch.log_softmax(z, -1)[5 - 1 : 19].gather(-1, torch.as_tensor(cand)).numpy()   # row i: token 5 + i
     assert arr.dtype == np.float32 and arr.shape == (15, 3)
-    _close(arr, want)
+    assert_close(arr, want)
 
 
+@pytest.mark.live_server
 def test_slime_sglang_generate(http_model):
     """slime's teacher call: /generate with input_ids, logprob_start_len 0, max_new_tokens 0, parsed as slime does;
     top_logprobs_num, token_ids_logprob and a batch as SGLang shapes them."""
@@ -169,7 +160,7 @@ def test_slime_sglang_generate(http_model):
     assert status == 200
     t_log_prob = [item[0] for item in out["meta_info"]["input_token_logprobs"][1:]][-len(response):]   # slime's
     z = ref.logits(ids, 0.8)
-    _close(t_log_prob, ref_token_logprobs(z, ids)[-len(response):])
+    assert_close(t_log_prob, ref_token_logprobs(z, ids)[-len(response):])
     assert out["meta_info"]["input_token_logprobs"][0][0] is None and out["meta_info"]["completion_tokens"] == 0
     status, out = post(base, "/generate", {"input_ids": [ids, ids[:5]], "return_logprob": True,
                                            "logprob_start_len": 3, "top_logprobs_num": 3, "token_ids_logprob": [7, 8],
@@ -179,15 +170,16 @@ def test_slime_sglang_generate(http_model):
     lsm = torch.log_softmax(z, -1)
     meta = out[0]["meta_info"]
     assert [e[1] for e in meta["input_token_logprobs"]] == ids[3:] and meta["input_top_logprobs"][0] is None
-    _close([e[0] for e in meta["input_token_logprobs"][1:]], ref_token_logprobs(z, ids)[4:])
+    assert_close([e[0] for e in meta["input_token_logprobs"][1:]], ref_token_logprobs(z, ids)[4:])
     for t, top in zip(range(4, len(ids)), meta["input_top_logprobs"][1:]):
-        _close([v for v, _, _ in top], torch.sort(lsm[t - 1], descending=True).values[:3].numpy())
+        assert_close([v for v, _, _ in top], torch.sort(lsm[t - 1], descending=True).values[:3].numpy())
     for t, c in zip(range(4, len(ids)), meta["input_token_ids_logprobs"][1:]):
         assert [i for _, i, _ in c] == [7, 8]
-        _close([v for v, _, _ in c], lsm[t - 1, [7, 8]].numpy())
+        assert_close([v for v, _, _ in c], lsm[t - 1, [7, 8]].numpy())
     assert len(out[1]["meta_info"]["input_token_logprobs"]) == 2
 
 
+@pytest.mark.live_server
 def test_trl_sequence_logprobs_json_and_binary(http_model):
     """TRL's /get_sequence_logprobs/ (AsyncDistillationTrainer's json, VLLMClient's binary decode)."""
     base, _, ref = http_model
@@ -213,15 +205,16 @@ def test_trl_sequence_logprobs_json_and_binary(http_model):
                 assert js["logprobs"][b][j] == [] and np.all(np.isneginf(lp[b, j]))
                 continue
             sorted_v = torch.sort(lsm[t - 1], descending=True).values[:4].numpy()
-            _close(lp[b, j], sorted_v)
-            _close(js["logprobs"][b][j][:4], sorted_v)
+            assert_close(lp[b, j], sorted_v)
+            assert_close(js["logprobs"][b][j][:4], sorted_v)
             assert js["logprob_token_ids"][b][j][:4] == ids[b, j].tolist()
-            _close(act[b, j], [want_lp[t]])
+            assert_close(act[b, j], [want_lp[t]])
             if seq[t] not in ids[b, j]:
                 assert js["logprob_token_ids"][b][j][4] == seq[t] and len(js["logprobs"][b][j]) == 5
         assert np.all(np.isneginf(lp[b, len(seq) - pl:]))      # padding
 
 
+@pytest.mark.live_server
 def test_reward_routes(reward_dirs):
     """vLLM's /classify and /pooling and SGLang's /classify on a reward model; completions refused with 400."""
     server = serve_dir(reward_dirs["llama"], http_port=0)
@@ -233,12 +226,12 @@ def test_reward_routes(reward_dirs):
             want = np.stack([ref.model(torch.as_tensor([s])).logits[0].numpy() for s in seqs])   # [2, 2] float64
         status, out = post(base, "/classify", {"input": seqs, "use_activation": False})
         assert status == 200 and [d["num_classes"] for d in out["data"]] == [2, 2]
-        _close([d["probs"] for d in out["data"]], want)
+        assert_close([d["probs"] for d in out["data"]], want)
         status, out = post(base, "/pooling", {"input": seqs})
-        _close([d["data"] for d in out["data"]], torch.softmax(torch.as_tensor(want), -1).numpy())
+        assert_close([d["data"] for d in out["data"]], torch.softmax(torch.as_tensor(want), -1).numpy())
         status, out = post(base, "/classify", {"input_ids": seqs[0]})
         assert status == 200
-        _close(out["embedding"], want[0])
+        assert_close(out["embedding"], want[0])
         status, out = post(base, "/v1/completions", {"prompt": seqs[0], "prompt_logprobs": 1})
         assert status == 400 and "/classify" in out["error"]["message"]
     finally:
@@ -265,6 +258,7 @@ BAD = [
 ]
 
 
+@pytest.mark.live_server
 def test_bad_input_gets_its_status_and_the_server_keeps_serving(http_model):
     base, server, _ = http_model
     for body, status, param in BAD:
@@ -298,6 +292,7 @@ def test_bad_input_gets_its_status_and_the_server_keeps_serving(http_model):
     assert get(base, "/health")[0] == 200 and get(base, "/nope")[0] == 404
 
 
+@pytest.mark.live_server
 def test_bearer_tokens_on_http(tmp_path, model_dirs):
     tokens = tmp_path / "tokens"
     tokens.write_text("s3cret\n")
@@ -316,6 +311,7 @@ def test_bearer_tokens_on_http(tmp_path, model_dirs):
         server.stop()
 
 
+@pytest.mark.live_server
 def test_column_wise_json_equals_vllms_dicts(http_model, monkeypatch):
     """json_logprobs builds prompt_logprobs from arrays; parsed, it is the dict-per-entry list, key order and all."""
     import orjson
@@ -371,6 +367,7 @@ print(json.dumps(out).replace("-Infinity", "null"))
 """
 
 
+@pytest.mark.fresh_venv
 def test_trl_vllm_client_get_sequence_logprobs(http_model, tmp_path):
     """TRL's own VLLMClient.get_sequence_logprobs (trl 1.16, installed here without its vLLM side) against the
     server: its parse of prompt_logprobs gives the reference top-k and the realized tokens' logprobs."""
@@ -391,6 +388,6 @@ def test_trl_vllm_client_get_sequence_logprobs(http_model, tmp_path):
         want = ref_token_logprobs(z, seq)
         assert len(out["logprobs"][b]) == len(seq) - pl
         for j, t in enumerate(range(pl, len(seq))):
-            _close(out["logprobs"][b][j], torch.sort(lsm[t - 1], descending=True).values[:4].numpy())
+            assert_close(out["logprobs"][b][j], torch.sort(lsm[t - 1], descending=True).values[:4].numpy())
             assert out["actual_token_ids"][b][j] == [seq[t]]
-            _close(out["actual_logprobs"][b][j], [want[t]])
+            assert_close(out["actual_logprobs"][b][j], [want[t]])

@@ -19,9 +19,10 @@ import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from conftest import CliServer
+from helpers import OVERHEAD, CliServer, Rss
 from logitserve.server.http_app import ACCEPT_BACKLOG
-from test_isolation import OVERHEAD, Rss
+
+pytestmark = pytest.mark.live_server
 
 MiB = 2 ** 20
 BIG = {"prompt": list(range(3, 352)), "max_tokens": 0, "prompt_logprobs": -1}   # 349 ids x the whole vocabulary

@@ -19,8 +19,9 @@ import urllib.request
 import grpc
 import pytest
 
-from conftest import CliServer
-from helpers import VOCAB, build_model
+from helpers import VOCAB, CliServer, build_model
+
+pytestmark = pytest.mark.live_server
 
 MiB = 1 << 20
 

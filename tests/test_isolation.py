@@ -13,7 +13,7 @@ import grpc
 import numpy as np
 import pytest
 
-from conftest import CliServer
+from helpers import CliServer, OVERHEAD, Rss
 from logitserve.client import TeacherClient
 from logitserve.kserve import grpc_predict_v2_pb2 as kpb
 from logitserve.kserve import grpc_predict_v2_pb2_grpc as kpb_grpc
@@ -23,9 +23,6 @@ from logitserve.v1 import logitserve_pb2_grpc as pb_grpc
 V = 32000              # the demo model's vocabulary
 MiB = 2 ** 20
 TOKENS = ("alpha-token", "beta-token", "gamma-token")
-# What RSS may exceed --memory-budget by: the request messages being received and decoded before they are
-# admitted (one per stream at a time), the allocator's slack, and one head chunk's temporaries.
-OVERHEAD = 512 * MiB
 
 
 def ids_tensor(seq) -> pb.Tensor:
@@ -39,60 +36,6 @@ def full_logits_request(rid: str, n: int, length: int) -> pb.ForwardRequest:
         req.sequences.append(ids_tensor(rng.integers(3, V, length)))
     req.full_logits.SetInParent()
     return req
-
-
-def _tree(pid: int) -> list[int]:
-    """pid and its descendants (a TP server's ranks are the launcher's children)."""
-    out, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        out.append(p)
-        try:
-            with open(f"/proc/{p}/task/{p}/children") as f:
-                todo += [int(c) for c in f.read().split()]
-        except OSError:
-            pass
-    return out
-
-
-class Rss:
-    """The server's resident memory (its process and their children: every rank), sampled every 20 ms: `peak`
-    of the sum since start()."""
-
-    def __init__(self, pid: int):
-        self.pid, self.peak, self._stop = pid, 0, threading.Event()
-
-    def now(self) -> int:
-        total = 0
-        for p in _tree(self.pid):
-            try:
-                with open(f"/proc/{p}/statm") as f:
-                    total += int(f.read().split()[1]) * 4096
-            except OSError:
-                pass
-        return total
-
-    def __enter__(self):
-        self.base = self.peak = self.now()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-        return self
-
-    def _run(self):
-        while not self._stop.is_set():
-            try:
-                self.peak = max(self.peak, self.now())
-            except OSError:
-                return
-            time.sleep(0.02)
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        self._thread.join()
-
-    @property
-    def growth(self) -> int:
-        return self.peak - self.base
 
 
 def latencies(address: str, n: int, token=None, length: int = 16) -> list[float]:
@@ -146,6 +89,7 @@ def _stall_check(server: CliServer, hold_s: float, stalled_streams: int) -> None
     assert max(after) < 2.0
 
 
+@pytest.mark.live_server
 def test_stalled_readers_never_slow_another_client_tp1():
     server = CliServer("--stall-timeout", "30", "--max-buffered-bytes", "8MiB")
     try:
@@ -154,6 +98,7 @@ def test_stalled_readers_never_slow_another_client_tp1():
         assert server.stop() == 0
 
 
+@pytest.mark.multi_process
 def test_stalled_readers_at_tp2_neither_slow_others_nor_time_out_a_collective():
     """The server stays up for 3x the collective timeout with stalled readers: the compute thread waits on one
     only while no one else waits, and never longer than --stall-timeout (< --collective-timeout)."""
@@ -167,6 +112,7 @@ def test_stalled_readers_at_tp2_neither_slow_others_nor_time_out_a_collective():
         assert server.stop() == 0
 
 
+@pytest.mark.multi_process
 def test_a_stall_bound_over_the_collective_timeout_is_refused_at_start_up():
     run = subprocess.run([sys.executable, "-m", "logitserve.server.cli", "serve", "--tp", "2", "--port", "0",
                           "--stall-timeout", "60", "--collective-timeout", "60"], capture_output=True, text=True,
@@ -190,6 +136,7 @@ def _meta(token: str):
     return (("authorization", f"Bearer {token}"),)
 
 
+@pytest.mark.live_server
 def test_hoarded_streams_lock_out_no_one_and_idle_streams_are_closed(guarded):
     async def run():
         async with grpc.aio.insecure_channel(guarded.address) as ch:
@@ -213,6 +160,7 @@ def test_hoarded_streams_lock_out_no_one_and_idle_streams_are_closed(guarded):
     asyncio.run(run())
 
 
+@pytest.mark.live_server
 def test_an_oversized_text_is_refused_before_it_is_tokenized(guarded):
     text = " ".join(["t5"] * (3 * MiB))                    # 9 MiB of text (was 30 s and +2 GB for 16 MB)
     req = pb.ForwardRequest(request_id="big-text", texts=[text])
@@ -226,6 +174,7 @@ def test_an_oversized_text_is_refused_before_it_is_tokenized(guarded):
     assert took < 5 and rss.growth < 200 * MiB, (took, rss.growth / MiB)
 
 
+@pytest.mark.live_server
 def test_candidate_arrays_are_held_within_the_memory_budget(guarded):
     """32 requests of 4096 tokens x 1950 candidates (32 MB each, the issue's case at half length) on 4 streams:
     the budget admits what fits and refuses the rest with RESOURCE_EXHAUSTED naming it."""
@@ -264,6 +213,7 @@ def test_candidate_arrays_are_held_within_the_memory_budget(guarded):
     assert rss.growth < 1024 * MiB + OVERHEAD, rss.growth / MiB
 
 
+@pytest.mark.live_server
 def test_a_kserve_answer_larger_than_a_message_is_refused_up_front(guarded):
     ids = np.random.default_rng(4).integers(3, V, (8, 2048)).astype("<i4")     # 2 GB of dense full logits
     req = kpb.ModelInferRequest(model_name="", outputs=[kpb.ModelInferRequest.InferRequestedOutputTensor(
@@ -279,6 +229,7 @@ def test_a_kserve_answer_larger_than_a_message_is_refused_up_front(guarded):
     assert took < 5 and rss.growth < 200 * MiB, (took, rss.growth / MiB)
 
 
+@pytest.mark.live_server
 def test_k_equal_to_the_vocabulary_streams_within_the_budget(guarded):
     """Top-k with k = V on 2048 tokens is 500 MB of answer: streamed through the bounded buffer, not held."""
     req = pb.ForwardRequest(request_id="kv")
@@ -295,6 +246,7 @@ def test_k_equal_to_the_vocabulary_streams_within_the_budget(guarded):
     assert rss.growth < 1024 * MiB + OVERHEAD, rss.growth / MiB
 
 
+@pytest.mark.live_server
 def test_unauthenticated_large_bodies_are_refused_unread(guarded):
     body = np.zeros(60 * MiB // 4, "<i4")
     req = kpb.ModelInferRequest(model_name="")

@@ -7,37 +7,12 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import VOCAB, Reference, random_seqs, ref_token_logprobs
+from helpers import (VOCAB, Reference, assert_close, kserve_request, kserve_tensor, random_seqs,
+                     ref_token_logprobs, separated)
 from logitserve.kserve import grpc_predict_v2_pb2 as kpb
 from logitserve.kserve import grpc_predict_v2_pb2_grpc as kpb_grpc
-from test_outputs import _close, _separated
 
-
-def _request(seqs, outputs, **params):
-    L = max(len(s) for s in seqs)
-    ids = np.zeros((len(seqs), L), np.int32)
-    for b, s in enumerate(seqs):
-        ids[b, :len(s)] = s
-    req = kpb.ModelInferRequest(model_name="", id="q1")
-    req.inputs.add(name="input_ids", datatype="INT32", shape=list(ids.shape))
-    req.raw_input_contents.append(ids.tobytes())
-    req.inputs.add(name="sequence_lengths", datatype="INT32", shape=[len(seqs)])
-    req.raw_input_contents.append(np.asarray([len(s) for s in seqs], np.int32).tobytes())
-    for name in outputs:
-        req.outputs.add(name=name)
-    for k, v in params.items():
-        field = {bool: "bool_param", int: "int64_param", float: "double_param", str: "string_param"}[type(v)]
-        setattr(req.parameters[k], field, v)
-    return req
-
-
-def _tensor(resp, name):
-    i = next(i for i, o in enumerate(resp.outputs) if o.name == name)
-    o = resp.outputs[i]
-    raw = resp.raw_output_contents[i]
-    if o.datatype == "BF16":
-        return torch.frombuffer(bytearray(raw), dtype=torch.bfloat16).float().numpy().reshape(tuple(o.shape))
-    return np.frombuffer(raw, dtype={"FP32": np.float32, "INT32": np.int32}[o.datatype]).reshape(tuple(o.shape))
+pytestmark = pytest.mark.live_server
 
 
 def test_model_infer_outputs_equal_float64_reference(llama_server, model_dirs):
@@ -49,32 +24,32 @@ def test_model_infer_outputs_equal_float64_reference(llama_server, model_dirs):
         meta = stub.ModelMetadata(kpb.ModelMetadataRequest(name=""))
         assert {t.name for t in meta.outputs} >= {"token_logprobs", "topk_values", "topk_ids", "full_logits"}
         assert stub.ModelReady(kpb.ModelReadyRequest(name=meta.name)).ready
-        resp = stub.ModelInfer(_request(seqs, ["token_logprobs", "topk_values", "topk_ids", "topk_tail",
+        resp = stub.ModelInfer(kserve_request(seqs, ["token_logprobs", "topk_values", "topk_ids", "topk_tail",
                                                "full_logits"], k=6, temperature=0.8, topk_dtype="BF16",
                                         vocab_start=100, vocab_end=140))
         bad = [(dict(), ["topk_ids"], "parameters[k]"), (dict(k=5), ["nope"], "outputs")]
         for params, outs, field in bad:
             with pytest.raises(grpc.RpcError) as e:
-                stub.ModelInfer(_request(seqs, outs, **params))
+                stub.ModelInfer(kserve_request(seqs, outs, **params))
             assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and field in e.value.details()
-        streamed = list(stub.ModelStreamInfer(iter([_request(seqs, ["token_logprobs"]),
-                                                    _request(seqs, ["topk_ids"])])))
+        streamed = list(stub.ModelStreamInfer(iter([kserve_request(seqs, ["token_logprobs"]),
+                                                    kserve_request(seqs, ["topk_ids"])])))
     assert resp.id == "q1" and resp.model_name == meta.name
-    lp, vals, ids = _tensor(resp, "token_logprobs"), _tensor(resp, "topk_values"), _tensor(resp, "topk_ids")
-    tail, full = _tensor(resp, "topk_tail"), _tensor(resp, "full_logits")
+    lp, vals, ids = kserve_tensor(resp, "token_logprobs"), kserve_tensor(resp, "topk_values"), kserve_tensor(resp, "topk_ids")
+    tail, full = kserve_tensor(resp, "topk_tail"), kserve_tensor(resp, "full_logits")
     assert lp.shape == (3, 40) and vals.shape == ids.shape == (3, 40, 6) and full.shape == (3, 40, 40)
     for j, seq in enumerate(seqs):
         n = len(seq)
         z = ref.logits(seq, 0.8)                                                  # [L, V] float64
-        _close(lp[j, :n], ref_token_logprobs(z, seq))
+        assert_close(lp[j, :n], ref_token_logprobs(z, seq))
         sorted_v, sorted_i = torch.sort(z, -1, descending=True)
         want = sorted_v[:, :6].float().bfloat16().float().numpy()                # BF16 on the wire
         assert np.abs(vals[j, :n] - want).max() <= np.abs(want).max() * 2 ** -8
-        sep = _separated(sorted_v.numpy(), 6)
+        sep = separated(sorted_v.numpy(), 6)
         assert np.array_equal(ids[j, :n][sep], sorted_i[:, :6].numpy()[sep])
         outside = torch.log_softmax(z, -1).scatter(-1, torch.from_numpy(ids[j, :n].astype(np.int64)), float("-inf"))
-        _close(tail[j, :n], torch.logsumexp(outside, -1).numpy())
-        _close(full[j, :n], z[:, 100:140].numpy())
+        assert_close(tail[j, :n], torch.logsumexp(outside, -1).numpy())
+        assert_close(full[j, :n], z[:, 100:140].numpy())
         assert not lp[j, n:].any() and not full[j, n:].any()                     # padding rows are 0
     assert streamed[0].infer_response.outputs[0].name == "token_logprobs"
     assert "INVALID_ARGUMENT" in streamed[1].error_message and "parameters[k]" in streamed[1].error_message
@@ -85,7 +60,7 @@ def test_config_statistics_and_index_count_both_apis(model_dirs):
     the per-request limits and the Prometheus counters cover KServe requests too."""
     import time
 
-    from conftest import serve_dir
+    from helpers import serve_dir
     from logitserve.client import LogitServeError, TeacherClient
     from logitserve.server.requests import StreamLimits
 
@@ -107,9 +82,9 @@ def test_config_statistics_and_index_count_both_apis(model_dirs):
             assert e.value.code() == grpc.StatusCode.NOT_FOUND
 
             c.logprobs(seqs + [seqs[0]])                                          # native: 3 sequences, OK
-            stub.ModelInfer(_request(seqs, ["token_logprobs"]))                    # KServe: 2 sequences, OK
+            stub.ModelInfer(kserve_request(seqs, ["token_logprobs"]))                    # KServe: 2 sequences, OK
             with pytest.raises(grpc.RpcError) as e:                               # KServe over the limit
-                stub.ModelInfer(_request(seqs * 2, ["token_logprobs"]))
+                stub.ModelInfer(kserve_request(seqs * 2, ["token_logprobs"]))
             assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
             assert "--max-sequences-per-request 3" in e.value.details()
             with pytest.raises(LogitServeError):                                 # native, invalid
@@ -128,12 +103,12 @@ def test_config_statistics_and_index_count_both_apis(model_dirs):
                 stub.ModelStatistics(kpb.ModelStatisticsRequest(name="other"))
             assert e.value.code() == grpc.StatusCode.NOT_FOUND and "'other'" in e.value.details()
             with pytest.raises(grpc.RpcError) as e:                               # counted as a failure
-                stub.ModelInfer(_request(seqs, ["token_logprobs"], timeout_s=0.0))
+                stub.ModelInfer(kserve_request(seqs, ["token_logprobs"], timeout_s=0.0))
             assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
             assert "parameters[timeout_s]" in e.value.details() and "must be > 0" in e.value.details()
             server.running.pipeline.drain()                                       # shutting down
             with pytest.raises(grpc.RpcError) as e:
-                stub.ModelInfer(_request(seqs, ["token_logprobs"]))
+                stub.ModelInfer(kserve_request(seqs, ["token_logprobs"]))
             assert e.value.code() == grpc.StatusCode.UNAVAILABLE and "shutting down" in e.value.details()
             assert not stub.ServerReady(kpb.ServerReadyRequest()).ready
             assert [m.state for m in stub.RepositoryIndex(kpb.RepositoryIndexRequest()).models] == ["UNAVAILABLE"]

@@ -1,14 +1,16 @@
 """A full-vocab response far over 64 MiB arrives in chunks under 4 MiB that a stock client accepts."""
 from __future__ import annotations
 
+import pytest
 import grpc
 import numpy as np
 
-from conftest import serve_dir
-from helpers import Reference, build_model
+from helpers import Reference, build_model, serve_dir
 from logitserve.client import TeacherClient
 from logitserve.v1 import logitserve_pb2 as pb
 from logitserve.v1 import logitserve_pb2_grpc as pb_grpc
+
+pytestmark = pytest.mark.live_server
 
 V, L = 32000, 600   # [600, 32000] fp32 = 73 MiB
 

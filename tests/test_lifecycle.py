@@ -10,10 +10,12 @@ import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from conftest import CliServer, serve_dir
+from helpers import CliServer, serve_dir
 from logitserve.client import LogitServeError, TeacherClient, Wanted
 from logitserve.server.admission import ClientLimits
 from logitserve.server.requests import StreamLimits
+
+pytestmark = pytest.mark.live_server
 
 
 def test_sigterm_lets_the_request_in_flight_finish_and_refuses_new_ones():

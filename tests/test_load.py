@@ -15,9 +15,10 @@ import numpy as np
 import psutil
 import pytest
 
-from conftest import CliServer
+from helpers import CliServer, random_request, within_packed_bound
 from logitserve.client import AsyncTeacherClient, LogitServeError, TeacherClient
-from test_scheduler import _random_request, within_packed_bound
+
+pytestmark = pytest.mark.live_server
 
 MAX_QUEUED = 6000   # small enough that a burst is refused with RESOURCE_EXHAUSTED
 
@@ -26,7 +27,7 @@ def _load(model_dir, streams: int, seconds: float) -> None:
     server = CliServer("--model", str(model_dir), "--logprob-chunk-size", "16", "--max-queued-tokens", str(MAX_QUEUED))
     proc = psutil.Process(server.proc.pid)
     rng = np.random.default_rng(41)
-    pool = [_random_request(rng) for _ in range(80)]
+    pool = [random_request(rng) for _ in range(80)]
     results, errors, refused = [], [], []
     rss = {"idle": proc.memory_info().rss, "peak": 0}
     sampling = threading.Event()

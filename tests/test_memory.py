@@ -5,9 +5,12 @@ import os
 import subprocess
 import sys
 
+import pytest
 import numpy as np
 
 from logitserve.client import TeacherClient
+
+pytestmark = pytest.mark.live_server
 
 L = 8192
 GIB = 1 << 30

@@ -8,6 +8,8 @@ import torch
 from helpers import random_seqs
 from logitserve.client import TeacherClient
 
+pytestmark = pytest.mark.live_server
+
 
 @pytest.mark.parametrize("dtype,torch_dtype", [("bf16", torch.bfloat16), ("fp16", torch.float16)])
 def test_half_precision_model_outputs_follow_its_own_logits(model_dirs, dtype, torch_dtype):

@@ -9,8 +9,10 @@ import grpc
 import numpy as np
 import pytest
 
-from conftest import CliServer, serve_dir
+from helpers import CliServer, serve_dir
 from logitserve.client import LogitServeError, TeacherClient
+
+pytestmark = pytest.mark.live_server
 
 
 def _scrape(port: int) -> dict[str, float]:

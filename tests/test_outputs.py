@@ -5,30 +5,12 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import VOCAB, random_seqs, ref_rank_bounds, ref_token_logprobs
+from helpers import VOCAB, assert_close, check_ranks, random_seqs, ref_rank_bounds, ref_token_logprobs, separated
 from logitserve.client import TeacherClient
 
+pytestmark = pytest.mark.live_server
+
 LENGTHS = [1, 2, 17, 40, 33]   # ragged, crossing the server's 16-row chunks
-TOL = 1e-5
-
-
-def _close(got, want, tol=TOL):
-    got, want = np.asarray(got, dtype=np.float64), np.asarray(want, dtype=np.float64)
-    assert got.shape == want.shape
-    assert np.array_equal(np.isneginf(got), np.isneginf(want))
-    finite = np.isfinite(want)
-    err = np.abs(got[finite] - want[finite]).max(initial=0.0)
-    assert err <= tol, f"max abs error {err:.3g} > {tol}"
-
-
-def _separated(sorted_values: np.ndarray, k: int, gap: float = 1e-5) -> np.ndarray:
-    """[L, k] mask of the top-k ranks whose reference value differs from both neighbours
-    (the (k+1)-th included) by more than gap: where the order is not a near-tie."""
-    d = np.abs(np.diff(sorted_values, axis=-1)) > gap                  # [L, V-1]
-    edge = np.ones((len(d), 1), dtype=bool)
-    left = np.concatenate([edge, d], axis=-1)
-    right = np.concatenate([d, edge], axis=-1)
-    return (left & right)[:, :k]
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7, 1.6])
@@ -39,15 +21,7 @@ def test_token_logprobs_match_reference(causal, temperature):
         got = c.logprobs(seqs, temperature=temperature)
     for seq, lp in zip(seqs, got):
         assert lp.dtype == np.float32 and lp[0] == 0.0
-        _close(lp, ref_token_logprobs(ref.logits(seq, temperature), seq))
-
-
-def _check_ranks(got, z, seq) -> None:
-    """Ranks as vLLM defines them, from the float64 reference; exact wherever no other id is within 1e-5."""
-    lo, hi = ref_rank_bounds(z, seq)
-    assert got.dtype == np.int32 and got.shape == (len(seq),)
-    assert np.all((got >= lo) & (got <= hi)), f"ranks {got} outside [{lo}, {hi}]"
-    assert np.mean(lo == hi) > 0.5     # most rows decided: the check is not vacuous
+        assert_close(lp, ref_token_logprobs(ref.logits(seq, temperature), seq))
 
 
 @pytest.mark.parametrize("temperature,top_p", [(1.0, None), (0.7, 0.5)])
@@ -62,8 +36,8 @@ def test_token_ranks_match_reference(causal, temperature, top_p):
         s = c.forward(seqs, temperature=temperature, logprobs=True, token_ranks=True, prompt_lengths=spans)
     for j, seq in enumerate(seqs):
         z = ref.logits(seq, temperature)
-        _check_ranks(r.token_ranks[j], z, seq)
-        _close(r.logprobs[j], ref_token_logprobs(z, seq, top_p=top_p))
+        check_ranks(r.token_ranks[j], z, seq)
+        assert_close(r.logprobs[j], ref_token_logprobs(z, seq, top_p=top_p))
         lo, hi = ref_rank_bounds(z, seq)
         P = spans[j]
         assert s.token_ranks[j].shape == (len(seq) - P,)
@@ -83,9 +57,9 @@ def test_topk_values_and_ids_match_reference(causal, k, as_logprobs):
         sorted_v, sorted_i = torch.sort(z, dim=-1, descending=True)
         want_v, want_i = sorted_v[:, :k].numpy(), sorted_i[:, :k].numpy()
         assert v.shape == (len(seq), k) and i.dtype == np.int32
-        _close(v, want_v)
+        assert_close(v, want_v)
         assert np.all(np.diff(v, axis=-1) <= 0), "top-k values must be sorted descending"
-        sep = _separated(sorted_v.numpy(), k)
+        sep = separated(sorted_v.numpy(), k)
         assert sep.mean() > 0.5
         assert np.array_equal(i[sep], want_i[sep])
 
@@ -99,7 +73,7 @@ def test_candidate_logprobs_match_reference(causal):
         got = c.candidate_logprobs(seqs, cands, temperature=1.3)
     for seq, cand, lp in zip(seqs, cands, got):
         want = torch.log_softmax(ref.logits(seq, 1.3), -1).gather(-1, torch.as_tensor(cand))
-        _close(lp, want.numpy())
+        assert_close(lp, want.numpy())
 
 
 def test_full_logits_slices_match_reference(causal):
@@ -111,8 +85,8 @@ def test_full_logits_slices_match_reference(causal):
     for seq, w, p in zip(seqs, whole, part):
         z = ref.logits(seq, 0.9).numpy()
         assert w.shape == (len(seq), VOCAB) and w.dtype == np.float32
-        _close(w, z)
-        _close(p, z[3:19, 100:777])
+        assert_close(w, z)
+        assert_close(p, z[3:19, 100:777])
 
 
 @pytest.mark.parametrize("dtype,torch_dtype", [("bf16", torch.bfloat16), ("fp16", torch.float16)])
@@ -144,7 +118,7 @@ def test_filtered_logprobs_match_reference_rule(causal, top_k, top_p):
     outside = 0
     for seq, lp in zip(seqs, r.logprobs):
         want = ref_token_logprobs(ref.logits(seq, 0.75), seq, top_k, top_p)
-        _close(lp, want)
+        assert_close(lp, want)
         outside += int(np.isneginf(want).sum())
     if top_k == 5 or top_p == 0.3:
         assert outside > 0, "the filter should have put some targets outside the kept set"
@@ -163,10 +137,10 @@ def test_one_pass_gives_every_output_with_model_identity(causal):
     assert info.architecture.lower().startswith(arch[:4]) and info.kind == "causal_lm"
     for seq, lp, tv, cl, fl in zip(seqs, r.logprobs, r.topk_values, r.candidate_logprobs, r.full_logits):
         z = ref.logits(seq)
-        _close(lp, ref_token_logprobs(z, seq))
-        _close(tv, torch.sort(z, -1, descending=True).values[:, :3].numpy())
-        _close(cl, torch.log_softmax(z, -1).gather(-1, torch.as_tensor(cands[0 if len(seq) == 12 else 1])).numpy())
-        _close(fl, z[:, :10].numpy())
+        assert_close(lp, ref_token_logprobs(z, seq))
+        assert_close(tv, torch.sort(z, -1, descending=True).values[:, :3].numpy())
+        assert_close(cl, torch.log_softmax(z, -1).gather(-1, torch.as_tensor(cands[0 if len(seq) == 12 else 1])).numpy())
+        assert_close(fl, z[:, :10].numpy())
 
 
 def test_many_requests_in_flight_on_one_stream(client, llama_ref):
@@ -176,7 +150,7 @@ def test_many_requests_in_flight_on_one_stream(client, llama_ref):
     batches = [random_seqs(rng, [int(n)]) for n in rng.integers(1, 60, 12)]
     futures = [client.submit(b, Wanted(logprobs=True)) for b in batches]
     for b, f in zip(batches, futures):
-        _close(f.result(timeout=60).logprobs[0], ref_token_logprobs(llama_ref.logits(b[0]), b[0]))
+        assert_close(f.result(timeout=60).logprobs[0], ref_token_logprobs(llama_ref.logits(b[0]), b[0]))
 
 
 def test_async_client_gathers_concurrent_requests(llama_server, llama_ref):
@@ -191,4 +165,4 @@ def test_async_client_gathers_concurrent_requests(llama_server, llama_ref):
             return await asyncio.gather(*(c.logprobs([s]) for s in seqs))
 
     for s, got in zip(seqs, asyncio.run(main())):
-        _close(got[0], ref_token_logprobs(llama_ref.logits(s), s))
+        assert_close(got[0], ref_token_logprobs(llama_ref.logits(s), s))

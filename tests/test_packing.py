@@ -6,11 +6,9 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import CliServer, serve_dir
-from helpers import Reference, build_model, filter_rows_decided, random_seqs, ref_token_logprobs
+from helpers import (PACKED_ATOL, CliServer, Reference, assert_close, assert_same_signature, build_model,
+                     filter_rows_decided, random_seqs, ref_token_logprobs, separated, serve_dir)
 from logitserve.client import TeacherClient
-from test_outputs import _close, _separated
-from test_scheduler import PACKED_ATOL
 
 V = 1003
 MAX_POS = 1024
@@ -44,6 +42,7 @@ def _forward(server, seqs, **kw):
         return c.forward(seqs, **kw)
 
 
+@pytest.mark.live_server
 def test_packed_equals_exact_and_reference_on_random_mixes(pair):
     packed, exact, ref = pair
     rng = np.random.default_rng(71)
@@ -56,16 +55,17 @@ def test_packed_equals_exact_and_reference_on_random_mixes(pair):
         for name in ("logprobs", "topk_values", "candidate_logprobs", "full_logits"):   # the documented bound
             np.testing.assert_allclose(getattr(got, name)[j], getattr(want, name)[j], atol=PACKED_ATOL, rtol=0)
         z = ref.logits(seq, 0.8)                                                            # [L, V] float64
-        _close(got.logprobs[j], ref_token_logprobs(z, seq))
+        assert_close(got.logprobs[j], ref_token_logprobs(z, seq))
         sorted_v, sorted_i = torch.sort(z, -1, descending=True)
-        _close(got.topk_values[j], sorted_v[:, :12].numpy())
-        sep = _separated(sorted_v.numpy(), 12)
+        assert_close(got.topk_values[j], sorted_v[:, :12].numpy())
+        sep = separated(sorted_v.numpy(), 12)
         assert np.array_equal(got.topk_ids[j][sep], sorted_i[:, :12].numpy()[sep])
         assert np.array_equal(got.topk_ids[j][sep], want.topk_ids[j][sep])
-        _close(got.candidate_logprobs[j], torch.log_softmax(z, -1).gather(-1, torch.as_tensor(cands[j])).numpy())
-        _close(got.full_logits[j], z[:, 100:180].numpy())
+        assert_close(got.candidate_logprobs[j], torch.log_softmax(z, -1).gather(-1, torch.as_tensor(cands[j])).numpy())
+        assert_close(got.full_logits[j], z[:, 100:180].numpy())
 
 
+@pytest.mark.live_server
 @pytest.mark.parametrize("top_k,top_p,temperature", [(20, None, 1.0), (None, 0.7, 1.3), (64, 0.9, 0.6)])
 def test_packed_filtered_logprobs_equal_reference(pair, top_k, top_p, temperature):
     packed, exact, ref = pair
@@ -78,11 +78,12 @@ def test_packed_filtered_logprobs_equal_reference(pair, top_k, top_p, temperatur
         # lp[t] reads row t-1: compare where that row's kept set is decided beyond fp32 rounding
         rows = np.concatenate([[True], filter_rows_decided(z, top_k, top_p)[:-1]])
         decided += rows.sum()
-        _close(got.logprobs[j][rows], ref_token_logprobs(z, seq, top_k=top_k, top_p=top_p)[rows])
+        assert_close(got.logprobs[j][rows], ref_token_logprobs(z, seq, top_k=top_k, top_p=top_p)[rows])
         np.testing.assert_allclose(got.logprobs[j][rows], want.logprobs[j][rows], atol=PACKED_ATOL, rtol=0)
     assert decided >= 0.95 * sum(len(s) for s in seqs)
 
 
+@pytest.mark.live_server
 def test_no_sequence_sees_another(pair):
     """Changing one sequence's tokens leaves every other sequence's outputs bitwise unchanged, and each
     sequence's outputs match it run alone within the bound: no mask lets sequences attend across."""
@@ -99,9 +100,10 @@ def test_no_sequence_sees_another(pair):
         assert same == (j != victim), j
     alone = _forward(packed, [seqs[3]], **kw)
     np.testing.assert_allclose(a.full_logits[3], alone.full_logits[0], atol=PACKED_ATOL, rtol=0)
-    _close(a.full_logits[3], ref.logits(seqs[3])[:, :50].numpy())
+    assert_close(a.full_logits[3], ref.logits(seqs[3])[:, :50].numpy())
 
 
+@pytest.mark.live_server
 def test_packed_reward_scores_equal_reference_and_exact(dirs):
     ref = Reference(dirs["reward"])
     seqs = [np.minimum(s + 1, V - 1) for s in _mix(np.random.default_rng(74), 10)]   # no pad id (0) inside
@@ -119,6 +121,7 @@ def test_packed_reward_scores_equal_reference_and_exact(dirs):
         np.testing.assert_allclose(got.scores[j], want.scores[j], atol=PACKED_ATOL, rtol=0)
 
 
+@pytest.mark.multi_process
 def test_packed_under_tp2_equals_reference_and_isolates_sequences(dirs):
     ref = Reference(dirs["llama"])
     rng = np.random.default_rng(75)
@@ -136,10 +139,10 @@ def test_packed_under_tp2_equals_reference_and_isolates_sequences(dirs):
     assert info.tp_size == 2 and info.batching == "packed" and a.batching == "packed"
     for j, seq in enumerate(seqs):
         z = ref.logits(seq, 0.9)
-        _close(a.logprobs[j], ref_token_logprobs(z, seq))
-        _close(a.full_logits[j], z[:, 490:520].numpy())
+        assert_close(a.logprobs[j], ref_token_logprobs(z, seq))
+        assert_close(a.full_logits[j], z[:, 490:520].numpy())
         sorted_v, sorted_i = torch.sort(z, -1, descending=True)
-        sep = _separated(sorted_v.numpy(), 6)
+        sep = separated(sorted_v.numpy(), 6)
         assert np.array_equal(a.topk_ids[j][sep], sorted_i[:, :6].numpy()[sep])
         same = np.array_equal(a.logprobs[j], b.logprobs[j]) and np.array_equal(a.full_logits[j], b.full_logits[j])
         assert same == (j != 2), j
@@ -187,6 +190,7 @@ def _assemble(pieces, job):
     return out
 
 
+@pytest.mark.unit
 def test_a_failing_job_fails_alone_in_a_shared_pack_and_head_chunk(engine, monkeypatch):
     import logitserve.engine as eng
 
@@ -203,19 +207,31 @@ def test_a_failing_job_fails_alone_in_a_shared_pack_and_head_chunk(engine, monke
     monkeypatch.setattr(eng, "block_pieces", real)
 
     real_packed, real_hidden = engine.packed_hidden, engine.hidden
+    packs, redone = [], []
 
-    def packed_hidden(ids, lengths):       # a pack holding job 1's 13-token sequence fails as a whole...
+    def packed_hidden(ids, lengths, starts=None, parents=None):   # a pack holding job 1's 13-token sequence fails
+        packs.append(list(lengths))                                 # as a whole...
         if 13 in lengths:
             raise RuntimeError("injected body failure")
-        return real_packed(ids, lengths)
+        return real_packed(ids, lengths, starts, parents)
 
     def hidden(ids, positions):            # ...and so does that sequence alone, when the pack is redone
+        redone.append(len(ids))
         if len(ids) == 13:
             raise RuntimeError("injected body failure")
         return real_hidden(ids, positions)
+    assert_same_signature(packed_hidden, real_packed)
+    assert_same_signature(hidden, real_hidden)
     monkeypatch.setattr(engine, "packed_hidden", packed_hidden)
     monkeypatch.setattr(engine, "hidden", hidden)
     _only_job_1_fails(engine, jobs, alone, "injected body failure")
+    failed = [p for p in packs if 13 in p]
+    assert failed, f"no pack held the 13-token sequence (packs {packs}): the pack path never ran"
+    # a shared pack: it held other jobs' sequences too; it, and it alone, is redone per sequence, each of its
+    # members once (job 1's 40-token one at most once: the redo may reach it before or after the 13 fails)
+    members = sorted(n for p in failed for n in p)
+    assert len(members) > 2, packs
+    assert sorted(n for n in redone if n != 40) == [n for n in members if n != 40] and redone.count(40) <= 1, (packs, redone)
 
 
 def _only_job_1_fails(engine, jobs, alone, message: str) -> None:
@@ -226,6 +242,7 @@ def _only_job_1_fails(engine, jobs, alone, message: str) -> None:
             np.testing.assert_allclose(got, want, atol=PACKED_ATOL, rtol=0)
 
 
+@pytest.mark.unit
 def test_a_cancelled_job_stops_and_the_others_finish(engine):
     jobs = _jobs(np.random.default_rng(77))
     cancelled = set()
@@ -241,6 +258,7 @@ def test_a_cancelled_job_stops_and_the_others_finish(engine):
         _assemble(out[j], jobs[j])
 
 
+@pytest.mark.unit
 def test_memory_budget_under_a_packed_body_refuses_to_start(dirs):
     from logitserve.loading import load_model
     from logitserve.server.app import ServerConfig, memory_estimator
@@ -271,6 +289,7 @@ def _reference_attention(q, k, v, lengths, window=None, softcap=None):
     return torch.cat(out)[None]                                                # [1, N, H, D]
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("window,softcap", [(None, None), (4, None), (None, 0.7), (4, 0.7)])
 def test_varlen_attention_equals_per_sequence_softmax(window, softcap):
     from logitserve.packing import packed_forward, varlen_attention_forward
@@ -287,6 +306,7 @@ def test_varlen_attention_equals_per_sequence_softmax(window, softcap):
     torch.testing.assert_close(alone, _reference_attention(q[:, :, :1], k[:, :, :1], v[:, :, :1], [1]))
 
 
+@pytest.mark.unit
 def test_plan_packs_bounds_tokens_and_keeps_order():
     from logitserve.packing import plan_packs
 
@@ -297,6 +317,7 @@ def test_plan_packs_bounds_tokens_and_keeps_order():
     assert [m.offset for m in packs[2].members] == [0, 3]
 
 
+@pytest.mark.unit
 def test_attention_sinks_are_refused_not_dropped():
     from logitserve.packing import varlen_attention_forward
 
@@ -305,6 +326,7 @@ def test_attention_sinks_are_refused_not_dropped():
         varlen_attention_forward(None, q, q, q, None, s_aux=torch.zeros(2))
 
 
+@pytest.mark.unit
 def test_a_model_with_attention_sinks_is_refused_at_startup_in_packed_mode_and_serves_exact(tmp_path):
     import transformers as tf
 
@@ -321,6 +343,7 @@ def test_a_model_with_attention_sinks_is_refused_at_startup_in_packed_mode_and_s
     assert Engine(load_model(tmp_path), EngineConfig(batching=Batching.EXACT)).batching is Batching.EXACT
 
 
+@pytest.mark.live_server
 def test_packed_gemma2_capped_scores_and_sliding_window_equal_reference(tmp_path):
     """Gemma-2 attention: tanh-capped scores and sliding-window layers, packed, against float64 transformers."""
     import transformers as tf
@@ -340,10 +363,11 @@ def test_packed_gemma2_capped_scores_and_sliding_window_equal_reference(tmp_path
         server.stop()
     for j, seq in enumerate(seqs):
         z = ref.logits(seq)
-        _close(got.logprobs[j], ref_token_logprobs(z, seq))
-        _close(got.full_logits[j], z[:, :64].numpy())
+        assert_close(got.logprobs[j], ref_token_logprobs(z, seq))
+        assert_close(got.full_logits[j], z[:, :64].numpy())
 
 
+@pytest.mark.unit
 def test_flash_varlen_without_enable_gqa_repeats_the_kv_heads(monkeypatch):
     """A torch whose varlen_attn takes no enable_gqa (issue 21): the GQA call is retried with repeated KV heads.
     The kernel is stood in for by a per-sequence causal sdpa on CPU that refuses the keyword, as such a torch does."""

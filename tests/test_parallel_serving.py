@@ -13,10 +13,9 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from conftest import CliServer, TorchrunServer
-from helpers import Reference, build_model, random_seqs, ref_token_logprobs
+from helpers import (CliServer, Reference, TorchrunServer, assert_close, build_model, check_ranks,
+                     random_seqs, ref_token_logprobs, separated)
 from logitserve.client import LogitServeError, TeacherClient, Wanted
-from test_outputs import _check_ranks, _close, _separated
 
 V = 32003                          # odd: the vocab shards are padded under tp = 2
 LENGTHS = [1, 2, 7, 45, 130]       # none a multiple of 2 * cp beyond the trivial; crossing 16-row chunks
@@ -52,6 +51,7 @@ def sharded(request, tp_model):
     assert server.stop() == 0, "".join(server.log[-20:])
 
 
+@pytest.mark.multi_process
 def test_every_output_equals_one_process_reference(sharded):
     tp, cp, server, ref, pp = sharded
     rng = np.random.default_rng(21)
@@ -72,25 +72,26 @@ def test_every_output_equals_one_process_reference(sharded):
     assert info.batching == r.batching == ("exact" if cp > 1 else "packed")
     for j, seq in enumerate(seqs):
         z = ref.logits(seq, 0.9)                                        # [L, V] float64
-        _close(r.logprobs[j], ref_token_logprobs(z, seq))
-        _check_ranks(r.token_ranks[j], z, seq)
+        assert_close(r.logprobs[j], ref_token_logprobs(z, seq))
+        check_ranks(r.token_ranks[j], z, seq)
         sorted_v, sorted_i = torch.sort(z, -1, descending=True)
-        _close(r.topk_values[j], sorted_v[:, :10].numpy())
-        sep = _separated(sorted_v.numpy(), 10)
+        assert_close(r.topk_values[j], sorted_v[:, :10].numpy())
+        sep = separated(sorted_v.numpy(), 10)
         assert np.array_equal(r.topk_ids[j][sep], sorted_i[:, :10].numpy()[sep])
-        _close(r.candidate_logprobs[j], torch.log_softmax(z, -1).gather(-1, torch.as_tensor(cands[j])).numpy())
-        _close(r.full_logits[j], z[:, 15990:16020].numpy())
+        assert_close(r.candidate_logprobs[j], torch.log_softmax(z, -1).gather(-1, torch.as_tensor(cands[j])).numpy())
+        assert_close(r.full_logits[j], z[:, 15990:16020].numpy())
         # tail: log of the mass outside the returned ids, by a sum over the rest of the full row
         outside = torch.log_softmax(z, -1).scatter(-1, torch.as_tensor(r.topk_ids[j]).long(), float("-inf"))
-        _close(r.topk_tail[j], torch.logsumexp(outside, -1).numpy())
+        assert_close(r.topk_tail[j], torch.logsumexp(outside, -1).numpy())
         with torch.no_grad():          # the lm_head's input, from whichever rank holds it (the last stage under PP)
             h = ref.model.base_model(torch.as_tensor(seq, dtype=torch.long)[None]).last_hidden_state[0]
-        _close(r.hidden_states[j], h.numpy())
-    _close(whole, ref.logits(seqs[3], 0.9).numpy())
+        assert_close(r.hidden_states[j], h.numpy())
+    assert_close(whole, ref.logits(seqs[3], 0.9).numpy())
     assert all(np.isneginf(t).all() for t in every.topk_tail)
     assert all(np.array_equal(np.sort(i, -1), np.broadcast_to(np.arange(V), i.shape)) for i in every.topk_ids)
 
 
+@pytest.mark.multi_process
 def test_filters_and_topk_logprobs_equal_reference(sharded):
     tp, cp, server, ref, _ = sharded
     seqs = random_seqs(np.random.default_rng(22), LENGTHS, vocab=V)
@@ -98,15 +99,16 @@ def test_filters_and_topk_logprobs_equal_reference(sharded):
         filtered = c.logprobs(seqs, temperature=0.8, top_k=200, top_p=0.5)
         vals, ids = c.topk(seqs, 5, as_logprobs=True)
     for j, seq in enumerate(seqs):
-        _close(filtered[j], ref_token_logprobs(ref.logits(seq, 0.8), seq, top_k=200, top_p=0.5))
+        assert_close(filtered[j], ref_token_logprobs(ref.logits(seq, 0.8), seq, top_k=200, top_p=0.5))
         lp = torch.log_softmax(ref.logits(seq), -1)
-        _close(vals[j], torch.sort(lp, -1, descending=True).values[:, :5].numpy())
+        assert_close(vals[j], torch.sort(lp, -1, descending=True).values[:, :5].numpy())
 
 
+@pytest.mark.multi_process
 def test_http_routes_under_tp_and_cp(sharded):
     """vLLM's /v1/completions through a sharded server: bad input refused with 400 (the ranks never see it),
     then prompt_logprobs and ranks equal to the one-process float64 reference."""
-    from test_http import post
+    from helpers import post
 
     tp, cp, server, ref, _ = sharded
     seq = random_seqs(np.random.default_rng(22), [40], vocab=V)[0].tolist()
@@ -118,10 +120,11 @@ def test_http_routes_under_tp_and_cp(sharded):
     assert status == 200
     plp = out["choices"][0]["prompt_logprobs"]
     z = ref.logits(seq, 0.9)
-    _close([plp[t][str(seq[t])]["logprob"] for t in range(1, len(seq))], ref_token_logprobs(z, seq)[1:])
-    _check_ranks(np.array([0] + [plp[t][str(seq[t])]["rank"] for t in range(1, len(seq))], np.int32), z, seq)
+    assert_close([plp[t][str(seq[t])]["logprob"] for t in range(1, len(seq))], ref_token_logprobs(z, seq)[1:])
+    check_ranks(np.array([0] + [plp[t][str(seq[t])]["rank"] for t in range(1, len(seq))], np.int32), z, seq)
 
 
+@pytest.mark.multi_process
 @pytest.mark.parametrize("tp,cp", [(2, 1), (2, 2)])
 def test_reward_scores_under_tp_and_cp(reward_dirs, tp, cp):
     directory = reward_dirs["llama"]
@@ -139,6 +142,7 @@ def test_reward_scores_under_tp_and_cp(reward_dirs, tp, cp):
         np.testing.assert_allclose(score, want, atol=1e-5, rtol=0)
 
 
+@pytest.mark.live_server
 @pytest.mark.parametrize("layout", ["--tp", "--pp"])
 def test_lost_rank_fails_requests_with_unavailable_and_exits_nonzero(tp_model, layout):
     """A lost TP rank, or a lost pipeline stage (rank 1: the last, which holds the head)."""
@@ -181,6 +185,7 @@ def _until_error(stream):
         return
 
 
+@pytest.mark.multi_process
 def test_pp2_groups_compute_the_shared_prompt_once(tp_model):
     """RL groups through two pipeline stages: the shared prompt is computed once (the prefix member and its
     continuations flow as one micro-batch's rows), and the response logprobs equal float64."""
@@ -197,4 +202,4 @@ def test_pp2_groups_compute_the_shared_prompt_once(tp_model):
         assert server.stop() == 0
     assert r.shared_prefix_tokens == 3 * 199
     for j, seq in enumerate(seqs):
-        _close(r.logprobs[j], ref_token_logprobs(ref.logits(seq), seq)[200:])
+        assert_close(r.logprobs[j], ref_token_logprobs(ref.logits(seq), seq)[200:])

@@ -7,6 +7,8 @@ import pytest
 
 from logitserve.pipeline import StageTime, bubble_fraction, split_stages
 
+pytestmark = pytest.mark.unit
+
 
 def _brute(sizes, first, last, pp):
     """The smallest largest stage over every split into pp non-empty contiguous runs."""

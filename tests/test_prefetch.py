@@ -6,12 +6,12 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import VOCAB, random_seqs
+from helpers import PACKED_ATOL, VOCAB, random_seqs, separated
 from logitserve.client import LogitServeError, TeacherClient, Wanted
 from logitserve.client.distill import TeacherBatch
 from logitserve.client.prefetch import PrefetchingTeacher
-from test_outputs import _separated
-from test_packing import PACKED_ATOL
+
+pytestmark = pytest.mark.live_server
 
 
 def _batches(n=7):
@@ -37,7 +37,7 @@ def test_prefetched_results_equal_direct_requests_in_order(llama_server):
             # batched with its neighbours on the server: equal within the packed bound, ids where not near-tied
             np.testing.assert_allclose(tb.values[j, :n].numpy(), want.topk_values[j], atol=PACKED_ATOL, rtol=0)
             np.testing.assert_allclose(tb.tail[j, :n].numpy(), want.topk_tail[j], atol=PACKED_ATOL, rtol=0)
-            sep = _separated(want.topk_values[j].astype(np.float64), 8, gap=2 * PACKED_ATOL)
+            sep = separated(want.topk_values[j].astype(np.float64), 8, gap=2 * PACKED_ATOL)
             assert np.array_equal(tb.ids[j, :n].numpy()[sep], want.topk_ids[j][sep])
             assert not tb.mask[j, n:].any()
 

@@ -7,6 +7,8 @@ import pytest
 
 from logitserve.prefix import Wanted, find_groups, live_members, plan_shared_packs, shared_by_job
 
+pytestmark = pytest.mark.unit
+
 
 def _batch(rng):
     wanted = []

@@ -8,9 +8,10 @@ import grpc
 import numpy as np
 import pytest
 
-from conftest import serve_dir
-from helpers import VOCAB, random_seqs
+from helpers import VOCAB, random_seqs, serve_dir
 from logitserve.client import LogitServeError, TeacherClient, Wanted
+
+pytestmark = pytest.mark.live_server
 
 
 def test_requests_spread_over_replicas_and_survive_one_stopping(model_dirs):

@@ -5,9 +5,10 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import serve_dir
-from helpers import Reference, random_seqs
+from helpers import Reference, random_seqs, serve_dir
 from logitserve.client import LogitServeError, TeacherClient
+
+pytestmark = pytest.mark.live_server
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])

@@ -8,31 +8,11 @@ import grpc
 import numpy as np
 import pytest
 
-from conftest import serve_dir
-from helpers import VOCAB, random_seqs
+from helpers import FIELDS, VOCAB, random_request, random_seqs, serve_dir, within_packed_bound
 from logitserve.client import AsyncTeacherClient, LogitServeError, TeacherClient
 from logitserve.server.scheduler import SchedulerConfig
 from logitserve.v1 import logitserve_pb2 as pb
 from logitserve.v1 import logitserve_pb2_grpc as pb_grpc
-
-FIELDS = ("logprobs", "topk_values", "topk_ids", "candidate_logprobs", "full_logits")
-
-
-def _random_request(rng: np.random.Generator) -> dict:
-    seqs = random_seqs(rng, rng.integers(1, 90, rng.integers(1, 4)))
-    kind = rng.integers(0, 5)
-    req = dict(seqs=seqs, temperature=float(rng.choice([1.0, 0.7, 1.3])))
-    if kind == 0:
-        req.update(logprobs=True)
-    elif kind == 1:
-        req.update(logprobs=True, top_k=int(rng.integers(1, 60)), top_p=float(rng.choice([0.5, 0.9, 1.0])))
-    elif kind == 2:
-        req.update(topk=int(rng.integers(1, 40)), topk_as_logprobs=bool(rng.integers(0, 2)))
-    elif kind == 3:
-        req.update(candidates=[rng.integers(0, VOCAB, (len(s), 3)) for s in seqs], logprobs=True)
-    else:
-        req.update(full_logits=True, vocab_range=(10, 400), logits_dtype="bf16")
-    return req
 
 
 def _same(a, b) -> None:
@@ -41,29 +21,6 @@ def _same(a, b) -> None:
         assert (x is None) == (y is None), name
         for u, v in zip(x or [], y or []):
             assert u.dtype == v.dtype and np.array_equal(u, v, equal_nan=True), name
-
-
-PACKED_ATOL = 1e-5   # README: packed results are within this of per-sequence results (fp32)
-
-
-def within_packed_bound(a, b) -> None:
-    """a (packed, batched) against b (alone): fp32 within PACKED_ATOL, bf16 within one bf16 step,
-    top-k ids identical wherever the sorted values are more than PACKED_ATOL apart."""
-    for name in FIELDS:
-        x, y = getattr(a, name), getattr(b, name)
-        assert (x is None) == (y is None), name
-        for u, v in zip(x or [], y or []):
-            assert u.dtype == v.dtype and u.shape == v.shape, name
-            if name == "topk_ids":
-                continue
-            rtol = 2.0 ** -7 if name == "full_logits" else 0    # _random_request's slices travel as bf16
-            np.testing.assert_allclose(u, v, atol=PACKED_ATOL, rtol=rtol, err_msg=name)
-    for vals, u, v in zip(a.topk_values or [], a.topk_ids or [], b.topk_ids or []):
-        gap = np.diff(-vals, axis=-1)                                   # [L, k-1] >= 0
-        sep = np.ones_like(u, dtype=bool)
-        sep[:, 1:] &= gap > PACKED_ATOL
-        sep[:, :-1] &= gap > PACKED_ATOL
-        assert np.array_equal(u[sep], v[sep]), "topk_ids"
 
 
 @pytest.fixture(scope="module")
@@ -86,9 +43,10 @@ def _concurrently(server, requests: list[dict]) -> list:
     return asyncio.run(run())
 
 
+@pytest.mark.live_server
 def test_exact_mode_results_are_bitwise_identical_alone_and_batched(batching_server):
     rng = np.random.default_rng(31)
-    requests = [_random_request(rng) for _ in range(40)]
+    requests = [random_request(rng) for _ in range(40)]
     before = batching_server.running.scheduler.batches_run
     batched = _concurrently(batching_server, requests)
     batches = batching_server.running.scheduler.batches_run - before
@@ -98,11 +56,12 @@ def test_exact_mode_results_are_bitwise_identical_alone_and_batched(batching_ser
             _same(got, c.forward(**r))
 
 
+@pytest.mark.live_server
 def test_packed_mode_batched_results_equal_alone_within_the_bound(model_dirs):
     server = serve_dir(model_dirs["llama"], chunk_size=16, batching="packed",
                        scheduler=SchedulerConfig(max_batch_tokens=2000, batch_delay_s=0.02))
     rng = np.random.default_rng(35)
-    requests = [_random_request(rng) for _ in range(24)]
+    requests = [random_request(rng) for _ in range(24)]
     try:
         before = server.running.scheduler.batches_run
         batched = _concurrently(server, requests)
@@ -115,6 +74,7 @@ def test_packed_mode_batched_results_equal_alone_within_the_bound(model_dirs):
         server.stop()
 
 
+@pytest.mark.live_server
 def test_queue_over_its_token_limit_answers_resource_exhausted(model_dirs):
     """Full logits rows count double in the queue (logitserve.cost): 800 tokens are 1600 work tokens."""
     server = serve_dir(model_dirs["llama"], scheduler=SchedulerConfig(max_queued_tokens=2000,
@@ -138,6 +98,7 @@ def test_queue_over_its_token_limit_answers_resource_exhausted(model_dirs):
         assert e.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "--max-queued-tokens 2000" in e.details
 
 
+@pytest.mark.live_server
 def test_request_over_the_memory_budget_is_refused_not_run(model_dirs):
     server = serve_dir(model_dirs["llama"], chunk_size=64, batching="exact",
                        scheduler=SchedulerConfig(memory_budget_bytes=4 << 20))
@@ -157,6 +118,7 @@ def _long_job(n: int = 30) -> list:
     return random_seqs(np.random.default_rng(34), [500] * n)
 
 
+@pytest.mark.live_server
 def test_cancelled_request_is_dropped_and_the_server_moves_on(model_dirs):
     server = serve_dir(model_dirs["llama"], chunk_size=16)
     scheduler = server.running.scheduler
@@ -187,6 +149,7 @@ def test_cancelled_request_is_dropped_and_the_server_moves_on(model_dirs):
     assert after < 0.5 * whole, (after, whole)
 
 
+@pytest.mark.live_server
 def test_request_timeout_and_stream_deadline_end_with_deadline_exceeded(model_dirs):
     server = serve_dir(model_dirs["llama"], chunk_size=16)
     try:
@@ -213,6 +176,7 @@ def test_request_timeout_and_stream_deadline_end_with_deadline_exceeded(model_di
         server.stop()
 
 
+@pytest.mark.unit
 def test_cancelled_queued_job_frees_its_queue_tokens_at_once():
     """Scheduler alone, with a runner held by a gate: a job cancelled while queued leaves the queue at once."""
     import threading
@@ -268,6 +232,7 @@ def _stalled_full_logits(address: str):
     return ch, pb_grpc.LogitServeStub(ch).Forward(iter([big]))
 
 
+@pytest.mark.live_server
 def test_a_stalled_reader_alone_is_waited_on_for_the_stall_timeout_then_dropped(model_dirs):
     """Nobody else waiting: the compute thread waits on the full buffer for --stall-timeout, then drops it."""
     server = serve_dir(model_dirs["llama"], max_message_bytes=64 << 10,
@@ -284,6 +249,7 @@ def test_a_stalled_reader_alone_is_waited_on_for_the_stall_timeout_then_dropped(
         server.stop()
 
 
+@pytest.mark.live_server
 def test_a_stalled_reader_never_holds_up_another_request(model_dirs):
     """Another request waiting: the stalled one, its buffer full, is dropped at once (not after the 30 s stall
     timeout) naming --max-buffered-bytes, and the other is served without waiting on it."""
@@ -306,6 +272,7 @@ def test_a_stalled_reader_never_holds_up_another_request(model_dirs):
         server.stop()
 
 
+@pytest.mark.live_server
 def test_one_clients_hundred_queued_requests_do_not_put_anothers_one_behind_them(model_dirs, tmp_path):
     """Fair order: each client (bearer token) has its own queue and batches take the clients in turn. Client A
     queues 100 requests, two per batch; client B's one request, sent after them, is served in the next batch
@@ -337,6 +304,7 @@ def test_one_clients_hundred_queued_requests_do_not_put_anothers_one_behind_them
     assert done.index("b") < 20, done.index("b")     # FIFO: ~100
 
 
+@pytest.mark.live_server
 def test_per_client_in_flight_and_response_size_limits_answer_resource_exhausted(model_dirs):
     """--max-in-flight-per-client counts one client's requests on every stream; --max-response-bytes refuses an
     answer before it is computed. Both are RESOURCE_EXHAUSTED naming the flag, and the stream goes on."""

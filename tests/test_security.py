@@ -8,9 +8,11 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from conftest import serve_dir
+from helpers import serve_dir
 from logitserve.client import LogitServeError, TeacherClient
 from logitserve.server.security import SecurityConfig
+
+pytestmark = pytest.mark.live_server
 
 
 def _cert(name: str, issuer=None, ca: bool = False):
@@ -129,7 +131,7 @@ def test_cli_client_commands_reach_a_tls_and_token_server(pki, model_dirs):
     import subprocess
     import sys
 
-    from conftest import CliServer
+    from helpers import CliServer
 
     server = CliServer("--model", str(model_dirs["llama"]), "--tls-cert", str(pki / "server.pem"),
                        "--tls-key", str(pki / "server_key.pem"), "--auth-token-file", str(pki / "tokens"))

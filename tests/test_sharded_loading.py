@@ -9,8 +9,9 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from conftest import CliServer
-from helpers import build_model
+from helpers import CliServer, build_model
+
+pytestmark = pytest.mark.multi_process
 
 
 def _prelude():

@@ -14,7 +14,7 @@ import grpc
 import numpy as np
 import pytest
 
-from conftest import CliServer
+from helpers import CliServer
 from logitserve.client import LogitServeError, TeacherClient
 from logitserve.kserve import grpc_predict_v2_pb2 as kpb
 from logitserve.kserve import grpc_predict_v2_pb2_grpc as kpb_grpc
@@ -62,6 +62,7 @@ FAST_RECONNECT = [("grpc.initial_reconnect_backoff_ms", 50), ("grpc.min_reconnec
                   ("grpc.max_reconnect_backoff_ms", 100)]
 
 
+@pytest.mark.multi_process
 @pytest.mark.parametrize("tp", [1, 2])
 def test_a_client_polling_from_the_first_second_never_sees_unimplemented(tp):
     port = _free_port()
@@ -89,6 +90,7 @@ def test_a_client_polling_from_the_first_second_never_sees_unimplemented(tp):
                                                                              "reflection"}
 
 
+@pytest.mark.live_server
 def test_clients_wait_through_start_up(model_dirs):
     port = _free_port()
     address = f"127.0.0.1:{port}"
@@ -121,6 +123,7 @@ def test_clients_wait_through_start_up(model_dirs):
         assert proc.wait(60) == 0
 
 
+@pytest.mark.live_server
 def test_sigterm_past_the_grace_period_ends_requests_with_unavailable_and_exits_zero():
     server = CliServer("--grace-s", "0.3", "--max-response-bytes", "4GiB")   # 2 GB of full logits: long enough
     rng = np.random.default_rng(0)
@@ -156,6 +159,7 @@ def _kserve_logprobs(seqs):
     return req
 
 
+@pytest.mark.live_server
 @pytest.mark.parametrize("grace,ends", [("0.3", "UNAVAILABLE"), ("60", "OK")])
 def test_kserve_requests_get_the_grace_period_too(grace, ends):
     """A KServe call in flight at SIGTERM is drained like a native one: it finishes within --grace-s, or is ended

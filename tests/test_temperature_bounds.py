@@ -11,12 +11,11 @@ import grpc
 import numpy as np
 import pytest
 
-from conftest import serve_dir
-from helpers import VOCAB, Reference, build_model, ref_rank_bounds, ref_token_logprobs
+from helpers import VOCAB, Reference, build_model, kserve_request, post, ref_rank_bounds, ref_token_logprobs, serve_dir
 from logitserve.client import LogitServeError, TeacherClient
 from logitserve.kserve import grpc_predict_v2_pb2_grpc as kpb_grpc
-from test_http import post
-from test_kserve import _request
+
+pytestmark = pytest.mark.live_server
 
 SEQ = [1, 5, 9, 200, 31, 7, 7, 3]
 BOUND = "[1e-06, 1e+06]"
@@ -49,7 +48,7 @@ def _grpc_native(server, T):
 
 def _kserve(server, T):
     with grpc.insecure_channel(server.address) as ch:
-        return kpb_grpc.GRPCInferenceServiceStub(ch).ModelInfer(_request([SEQ], ["token_logprobs"], temperature=T))
+        return kpb_grpc.GRPCInferenceServiceStub(ch).ModelInfer(kserve_request([SEQ], ["token_logprobs"], temperature=T))
 
 
 def _http_body(route: str, T: float) -> dict:

@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import serve_dir
-from helpers import VOCAB, Reference, build_model, ref_token_logprobs
+from helpers import Reference, VOCAB, assert_close, build_model, ref_token_logprobs, serve_dir
 from logitserve.client import LogitServeError, TeacherClient, tokenizer_hash
-from test_outputs import _close
+
+pytestmark = pytest.mark.live_server
 
 TEXTS = ["t5 t9 t200 t17", "t7 t7 t1000", "t3"]
 
@@ -69,10 +69,10 @@ def test_texts_are_tokenized_by_the_model_tokenizer_and_outputs_are_over_those_i
         assert want[0] == tok.bos_token_id and r.input_ids[j].dtype == np.int32
         assert r.input_ids[j].tolist() == want
         z = ref.logits(want, 0.9)                                          # [L, V] float64
-        _close(r.logprobs[j], ref_token_logprobs(z, want))
-        _close(r.topk_values[j], torch.sort(z, -1, descending=True).values[:, :5].numpy())
+        assert_close(r.logprobs[j], ref_token_logprobs(z, want))
+        assert_close(r.topk_values[j], torch.sort(z, -1, descending=True).values[:, :5].numpy())
         assert bare.input_ids[j].tolist() == tok(text, add_special_tokens=False)["input_ids"]
-        _close(bare.logprobs[j], ref_token_logprobs(ref.logits(bare.input_ids[j]), bare.input_ids[j]))
+        assert_close(bare.logprobs[j], ref_token_logprobs(ref.logits(bare.input_ids[j]), bare.input_ids[j]))
 
 
 def _code(server, seqs, **kw):

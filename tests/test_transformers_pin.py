@@ -8,6 +8,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.fresh_venv
+
 ROOT = Path(__file__).parent.parent
 PIN = "transformers==5.20.2"
 # 8 tests: Gemma 2 unpacked, packed, at tp 2 and in two pipeline stages (alone and with tp 2), tied Llama and GPT-NeoX at tp 2

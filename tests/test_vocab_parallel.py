@@ -6,9 +6,12 @@ import os
 import socket
 import sys
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+pytestmark = pytest.mark.multi_process
 
 V, N, TP = 1003, 37, 2
 

@@ -1,4 +1,4 @@
-"""Test helpers: small real transformers models, an in-process server on loopback, plain-torch references."""
+"""Small real transformers models, an in-process server on loopback, plain-torch float64 references."""
 from __future__ import annotations
 
 import asyncio
