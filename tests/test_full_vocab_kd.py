@@ -64,8 +64,10 @@ def test_full_kd_matches_dense_float64(served, kind, beta, reduction):
     ref = {"token": per.sum() / m.sum(), "sum": per.sum(),
            "sequence": ((per.sum(-1) / m.sum(-1)).mean())}[reduction]
     ref.backward()
-    assert torch.allclose(loss, ref, rtol=1e-10, atol=1e-12)
-    assert torch.allclose(mine, student.grad, rtol=1e-9, atol=1e-12)
+    # The teacher's logits are fp32, as served: the dense reference's one GEMM and the loss's 7-row chunks may
+    # accumulate them in different orders (seen: the BLAS blocks by shape), ~1e-7 of |z|; all else is float64.
+    assert torch.allclose(loss, ref, rtol=1e-6, atol=1e-9), (loss.item(), ref.item())
+    assert torch.allclose(mine, student.grad, rtol=1e-5, atol=1e-6 * student.grad.abs().max().item())
 
 
 @pytest.mark.live_server
