@@ -85,7 +85,8 @@ step_start
 podman build --quiet --format docker --label org.logitserve.check=1 --build-arg BASE="$BASE" \
   --build-arg OFFLINE=1 -t "$IMAGE" . >/dev/null || fail "podman build"
 podman image prune --force --filter label=org.logitserve.check=1 >/dev/null
-health=$(podman image inspect --format '{{json .Config.Healthcheck.Test}}' "$IMAGE")
+health=$(podman image inspect "$IMAGE" \
+  --format '{{if .Config.Healthcheck}}{{json .Config.Healthcheck.Test}}{{else}}none{{end}}')
 [ "$health" = '["CMD","logitserve","health","127.0.0.1:50051"]' ] || fail "the image's HEALTHCHECK is $health"
 step_done build
 
