@@ -7,6 +7,7 @@
 # python with logitserve's client and pip ($PYTHON, default .venv/bin/python). The base root filesystem, the
 # engine's config and the wheels are cached under .container/ and deploy/wheelhouse/ (both git-ignored).
 # Prints one "container_check: <step> <seconds>s" line per step and "container_check: OK" at the end.
+# Env: PYTHON, DEBIAN_MIRROR (default: the host's apt source), HEALTH_TIMEOUT_S (default 300).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -109,7 +110,8 @@ cleanup() { podman rm --force --time 0 "$NAME" >/dev/null 2>&1 || true; }
 trap cleanup EXIT
 step_start
 # --health-interval disable: no systemd here to time the checks (podman logs errors trying); step 5 is the timer.
-podman run --detach --name "$NAME" --health-interval disable -p "127.0.0.1:$GRPC_PORT:50051" -p "127.0.0.1:$HTTP_PORT:8000" "$IMAGE" \
+podman run --detach --name "$NAME" --health-interval disable \
+  -p "127.0.0.1:$GRPC_PORT:50051" -p "127.0.0.1:$HTTP_PORT:8000" "$IMAGE" \
   serve --host 0.0.0.0 --port 50051 --http-port 8000 >/dev/null || fail "podman run"
 step_done run
 
@@ -119,7 +121,9 @@ deadline=$((SECONDS + ${HEALTH_TIMEOUT_S:-300}))
 until podman healthcheck run "$NAME" >/dev/null 2>&1; do
   state=$(podman inspect --format '{{.State.Status}}' "$NAME")
   if [ "$state" != running ]; then podman logs "$NAME" >&2; fail "the container is $state before it was healthy"; fi
-  if [ $SECONDS -gt $deadline ]; then podman logs "$NAME" >&2; fail "HEALTHCHECK still failing after ${HEALTH_TIMEOUT_S:-300} s"; fi
+  if [ $SECONDS -gt $deadline ]; then
+    podman logs "$NAME" >&2; fail "HEALTHCHECK still failing after ${HEALTH_TIMEOUT_S:-300} s"
+  fi
   sleep 1
 done
 step_done health
@@ -136,7 +140,8 @@ podman stop --time "$STOP_TIMEOUT" "$NAME" >/dev/null
 code=$(podman inspect --format '{{.State.ExitCode}}' "$NAME")
 elapsed=$(python3 -c "print(f'{$(date +%s.%N) - $STEP_T0:.1f}')")
 if [ "$code" != 0 ]; then podman logs "$NAME" >&2; fail "exit code $code after SIGTERM (${elapsed}s)"; fi
-python3 -c "import sys; sys.exit(not $elapsed < $STOP_TIMEOUT)" || fail "stop took ${elapsed}s, not under ${STOP_TIMEOUT}s"
+python3 -c "import sys; sys.exit(not $elapsed < $STOP_TIMEOUT)" \
+  || fail "stop took ${elapsed}s, not under ${STOP_TIMEOUT}s"
 step_done stop
 say "stopped with exit 0 in ${elapsed}s (stop timeout ${STOP_TIMEOUT}s)"
 say OK
