@@ -149,9 +149,10 @@ BIG = {"prompt": list(range(3, 200)), "max_tokens": 0, "prompt_logprobs": -1}   
 
 
 def http_big(port: int, token: str, until: float) -> None:
-    """Whole-vocabulary prompt_logprobs answers, read to the end (slowly)."""
+    """Whole-vocabulary prompt_logprobs answers, read to the end (slowly). Each HTTP behaviour connects from a
+    loopback address of its own: hosts are clients for HTTP connections, as on a real network."""
     while time.monotonic() < until:
-        s = _post(port, BIG, token)
+        s = _post(port, BIG, token, source="127.0.0.2")
         try:
             code = _status(s)
             while s.recv(1 << 16):
@@ -165,7 +166,7 @@ def http_big(port: int, token: str, until: float) -> None:
 def http_nonreader(port: int, token: str, until: float) -> None:
     """The same answers into a 4 KiB receive buffer, never read; closed after 6 s."""
     while time.monotonic() < until:
-        s = _post(port, BIG, token, rcvbuf=4096)
+        s = _post(port, BIG, token, rcvbuf=4096, source="127.0.0.3")
         time.sleep(6.0)
         seen["http-nonreader"]["held"] += 1
         s.close()
@@ -179,6 +180,7 @@ def http_idle(port: int, token: str, until: float) -> None:
             held.remove(c)
         while len(held) < 600:
             c = socket.socket()
+            c.bind(("127.0.0.4", 0))
             c.setblocking(False)
             try:
                 c.connect(("127.0.0.1", port))
@@ -205,7 +207,8 @@ def http_forged(port: int, token: str, until: float) -> None:
     """Made-up bearers, one per request: refused (401/403), never a client of their own."""
     k = 0
     while time.monotonic() < until:
-        s = _post(port, {"prompt": [5, 6, 7], "max_tokens": 0, "prompt_logprobs": 1}, f"forged-{k}")
+        s = _post(port, {"prompt": [5, 6, 7], "max_tokens": 0, "prompt_logprobs": 1}, f"forged-{k}",
+                  source="127.0.0.5")
         try:
             seen["http-forged"][_status(s)] += 1
         except OSError:
