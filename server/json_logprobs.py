@@ -46,22 +46,31 @@ def _floats(values: np.ndarray) -> np.ndarray:
     return _texts(np.maximum(values.astype(np.float64), _FLOOR))
 
 
+def _firsts(targets: np.ndarray, logprobs: np.ndarray, ranks: np.ndarray, tables: VocabTables) -> np.ndarray:
+    """The scored token's entry of each row: its id's pieces, its value and its rank. [n] object"""
+    head, tail = tables.tables()
+    return head[targets] + _floats(logprobs) + (b',"rank":' + _texts(ranks)) + tail[targets]
+
+
+def _entries(ids: np.ndarray, values: np.ndarray, col0: int, tables: VocabTables) -> np.ndarray:
+    """Top-k entries of columns col0.. (rank = column + 1). ids/values: [n, c] -> [n, c] object"""
+    head, tail = tables.tables()
+    rank_text = np.array([b',"rank":%d' % (r + 1) for r in range(col0, col0 + ids.shape[1])], dtype=object)
+    return head[ids] + _floats(values) + rank_text[None, :] + tail[ids]
+
+
 def _rows(targets: np.ndarray, logprobs: np.ndarray, ranks: np.ndarray, top_ids, top_values,
           tables: VocabTables) -> list[bytes]:
     """One `{token first, then the top-k by rank}` object per row. targets/logprobs/ranks: [n],
     top_ids/top_values: [n, k] or None."""
-    head, tail = tables.tables()
-    n, k = top_ids.shape if top_ids is not None else (len(targets), 0)
-    # the scored token's entry: its id's pieces, its value and its rank
-    first = head[targets] + _floats(logprobs) + (b',"rank":' + _texts(ranks)) + tail[targets]      # [n]
-    if not k:
+    first = _firsts(targets, logprobs, ranks, tables)                                           # [n]
+    if top_ids is None or not top_ids.shape[1]:
         return [b"{" + e + b"}" for e in first]
-    rank_text = np.array([b',"rank":%d' % (r + 1) for r in range(k)], dtype=object)
-    entries = head[top_ids] + _floats(top_values) + rank_text[None, :] + tail[top_ids]          # [n, k]
+    entries = _entries(top_ids, top_values, 0, tables)                                          # [n, k]
     dup = top_ids == targets[:, None]                                                           # [n, k]
     has_dup = dup.any(axis=1)
     rows = []
-    for j in range(n):
+    for j in range(len(targets)):
         row = entries[j]
         if has_dup[j]:
             row = row[~dup[j]]
@@ -69,20 +78,40 @@ def _rows(targets: np.ndarray, logprobs: np.ndarray, ranks: np.ndarray, top_ids,
     return rows
 
 
-# Rows encoded at a time when the list is produced in parts: entries are ~100 bytes, so a block of
-# BLOCK_ENTRIES entries keeps the temporaries near a few MiB whatever the answer's size.
-BLOCK_ENTRIES = 1 << 15
+def _wide_row(target, logprob, rank, ids: np.ndarray, values: np.ndarray, tables: VocabTables):
+    """One row of k > BLOCK_ENTRIES entries as JSON pieces, BLOCK_ENTRIES columns at a time (each numpy call on
+    object arrays holds the GIL: short calls keep the event loop and the compute thread going)."""
+    yield b"{" + _firsts(target[None], logprob[None], rank[None], tables)[0]
+    for c0 in range(0, len(ids), BLOCK_ENTRIES):
+        cols = ids[c0 : c0 + BLOCK_ENTRIES]
+        row = _entries(cols[None], values[None, c0 : c0 + BLOCK_ENTRIES], c0, tables)[0]
+        row = row[cols != target]                                      # the scored token is listed first only
+        if len(row):
+            yield b"," + b",".join(row)
+    yield b"}"
+
+
+# Entries encoded at a time when the list is produced in parts: entries are ~100 bytes, so a block keeps the
+# temporaries under a MiB whatever the answer's size, and each numpy call on them short.
+BLOCK_ENTRIES = 1 << 12
 
 
 def prompt_logprobs_parts(targets: np.ndarray, logprobs: np.ndarray, ranks: np.ndarray, top_ids: np.ndarray,
                           top_values: np.ndarray, leading_nulls: int, tables: VocabTables):
-    """`[null x leading_nulls, {token first, then the top-k by rank}, ...]` as JSON bytes, a block of rows at a
-    time. targets/logprobs/ranks: [n], top_ids/top_values: [n, k] (or None)."""
+    """`[null x leading_nulls, {token first, then the top-k by rank}, ...]` as JSON bytes, a block of rows (or
+    of one row's columns) at a time. targets/logprobs/ranks: [n], top_ids/top_values: [n, k] (or None)."""
     n = len(targets)
     k = top_ids.shape[1] if top_ids is not None else 0
-    step = max(1, BLOCK_ENTRIES // max(k, 1))
     yield b"[" + b",".join([b"null"] * leading_nulls)
     sep = b"," if leading_nulls else b""
+    if k > BLOCK_ENTRIES:
+        for j in range(n):
+            yield sep
+            yield from _wide_row(targets[j], logprobs[j], ranks[j], top_ids[j], top_values[j], tables)
+            sep = b","
+        yield b"]"
+        return
+    step = max(1, BLOCK_ENTRIES // max(k, 1))
     for at in range(0, n, step):
         end = min(at + step, n)
         block = _rows(targets[at:end], logprobs[at:end], ranks[at:end],

@@ -161,6 +161,8 @@ def http_big(port: int, token: str, until: float) -> None:
             code = "cut"
         seen["http-big"][code] += 1
         s.close()
+        if code == "429":          # retry later, as the openai package and trainers' loops do (with backoff)
+            time.sleep(1.0)
 
 
 def http_nonreader(port: int, token: str, until: float) -> None:
@@ -227,9 +229,9 @@ def main() -> None:
     http = os.environ.get("CHAOS_HTTP_PORT")      # the HTTP port: its hostile clients too
     behaviours = [(b.__name__, b, address) for b in (stall, hoard, oversized, cancel_storm)]
     behaviours += [(b.__name__, b, int(http)) for b in HTTP_BEHAVIOURS] if http else []
-    only = os.environ.get("CHAOS_ONLY")           # one behaviour by name, to find which one costs what
+    only = os.environ.get("CHAOS_ONLY")           # behaviours by name (comma-separated), to find what costs what
     if only:
-        behaviours = [b for b in behaviours if b[0] == only]
+        behaviours = [b for b in behaviours if b[0] in only.split(",")]
     threads = [threading.Thread(target=fn, args=(where, tokens[i % len(tokens)], until), daemon=True)
                for i, (_, fn, where) in enumerate(behaviours)]
     [t.start() for t in threads]

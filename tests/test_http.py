@@ -312,7 +312,8 @@ def test_bearer_tokens_on_http(tmp_path, model_dirs):
 
 
 @pytest.mark.live_server
-def test_column_wise_json_equals_vllms_dicts(http_model, monkeypatch):
+@pytest.mark.parametrize("block", [7, 4])      # 7 entries: blocks of whole rows; 4 < k: each row in column slices
+def test_column_wise_json_equals_vllms_dicts(http_model, monkeypatch, block):
     """json_logprobs builds prompt_logprobs from arrays; parsed, it is the dict-per-entry list, key order and all."""
     import orjson
 
@@ -341,7 +342,7 @@ def test_column_wise_json_equals_vllms_dicts(http_model, monkeypatch):
     from logitserve.server import http_answer, json_logprobs
 
     # produced a block of rows at a time and sent in slices, as an answer streams: small sizes cross every cut
-    monkeypatch.setattr(json_logprobs, "BLOCK_ENTRIES", 7)
+    monkeypatch.setattr(json_logprobs, "BLOCK_ENTRIES", block)
     monkeypatch.setattr(http_answer, "CHUNK_BYTES", 100)
     slices = list(http_answer.pieces({"a": [1, _prompt_json(seq, rows, k, ctx, L)], "b": "after"}))
     assert len(slices) > 10 and max(len(x) for x in slices) <= 100
