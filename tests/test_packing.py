@@ -163,13 +163,16 @@ def _jobs(rng):
 
 
 def _collect(steps, n):
+    from logitserve.events import JobFailed, JobPiece
+
     out = {j: [] for j in range(n)}
     errors = {}
     for step in steps:
-        for j, e in step.errors:
-            errors[j] = e
-        for j, p in step.pieces:
-            out[j].append(p)
+        for e in step.events:
+            if isinstance(e, JobFailed):
+                errors[e.job] = e.error
+            elif isinstance(e, JobPiece):
+                out[e.job].append(e.piece)
     return out, errors
 
 
@@ -188,33 +191,27 @@ def _assemble(pieces, job):
 
 
 def test_a_failing_job_fails_alone_in_a_shared_pack_and_head_chunk(engine, monkeypatch):
-    import logitserve.engine as eng
+    import logitserve.head as head
 
     jobs = _jobs(np.random.default_rng(76))
     alone = [_assemble(list(engine.run(job)), job) for job in jobs]
-    real = eng.block_pieces
+    real = head.reduce_block
 
-    def flaky(job, *a, **kw):   # the head fails for job 1 only
+    def flaky(job, z, h, segs, hs, cands):   # the head fails for job 1 only
         if job.temperature == 0.77:
             raise RuntimeError("injected head failure")
-        return real(job, *a, **kw)
-    monkeypatch.setattr(eng, "block_pieces", flaky)
+        return real(job, z, h, segs, hs, cands)
+    monkeypatch.setattr(head, "reduce_block", flaky)
     _only_job_1_fails(engine, jobs, alone, "injected head failure")
-    monkeypatch.setattr(eng, "block_pieces", real)
+    monkeypatch.setattr(head, "reduce_block", real)
 
-    real_packed, real_hidden = engine.packed_hidden, engine.hidden
+    real_packed = engine.packed_hidden
 
-    def packed_hidden(ids, lengths):       # a pack holding job 1's 13-token sequence fails as a whole...
-        if 13 in lengths:
+    def packed_hidden(ids, lengths, starts=None, parents=None):   # a body holding job 1's 13-token sequence fails,
+        if 13 in lengths:                                          # as a pack and when redone alone
             raise RuntimeError("injected body failure")
-        return real_packed(ids, lengths)
-
-    def hidden(ids, positions):            # ...and so does that sequence alone, when the pack is redone
-        if len(ids) == 13:
-            raise RuntimeError("injected body failure")
-        return real_hidden(ids, positions)
+        return real_packed(ids, lengths, starts, parents)
     monkeypatch.setattr(engine, "packed_hidden", packed_hidden)
-    monkeypatch.setattr(engine, "hidden", hidden)
     _only_job_1_fails(engine, jobs, alone, "injected body failure")
 
 
@@ -231,8 +228,8 @@ def test_a_cancelled_job_stops_and_the_others_finish(engine):
     cancelled = set()
     out = {j: [] for j in range(len(jobs))}
     for step in engine.batch_steps(jobs, skip=lambda j: j in cancelled):
-        for j, p in step.pieces:
-            out[j].append(p)
+        for j, pieces in _collect([step], len(jobs))[0].items():
+            out[j] += pieces
         if out[0]:
             cancelled.add(0)
     full = _collect(engine.batch_steps(jobs[:1]), 1)[0][0]

@@ -77,6 +77,12 @@ class ParallelContext:
     def is_root(self) -> bool:
         return self.rank == 0
 
+    @property
+    def reports(self) -> bool:
+        """Whether this rank emits the events every rank computes alike (a job's failure, shared tokens): the last
+        stage's first rank, so that they reach rank 0 once, gathered or (pp = 1) its own."""
+        return self.tp_rank == 0 and self.cp_rank == 0 and self.pp_rank == self.pp - 1
+
 
 def single_rank(device: str = "cpu") -> ParallelContext:
     return ParallelContext(ParallelConfig(), 0, 0, 0, torch.device(device), None, None, None)
