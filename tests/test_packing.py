@@ -270,7 +270,7 @@ def _reference_attention(q, k, v, lengths, window=None, softcap=None):
 
 @pytest.mark.parametrize("window,softcap", [(None, None), (4, None), (None, 0.7), (4, 0.7)])
 def test_varlen_attention_equals_per_sequence_softmax(window, softcap):
-    from logitserve.packing import packed_forward, varlen_attention_forward
+    from logitserve.attention import packed_forward, varlen_attention_forward
 
     torch.manual_seed(0)
     lengths = [1, 5, 5, 17, 3, 5]
@@ -295,7 +295,7 @@ def test_plan_packs_bounds_tokens_and_keeps_order():
 
 
 def test_attention_sinks_are_refused_not_dropped():
-    from logitserve.packing import varlen_attention_forward
+    from logitserve.attention import varlen_attention_forward
 
     q = torch.zeros(1, 2, 3, 4)
     with pytest.raises(NotImplementedError, match="--batching exact"):
@@ -346,7 +346,8 @@ def test_flash_varlen_without_enable_gqa_repeats_the_kv_heads(monkeypatch):
     The kernel is stood in for by a per-sequence causal sdpa on CPU that refuses the keyword, as such a torch does."""
     import torch.nn.attention.varlen as varlen
     import torch.nn.functional as F
-    from logitserve.packing import _flash_varlen, _grouped_sdpa
+    from logitserve.attention import _flash_varlen, _grouped_sdpa
+    from logitserve.capabilities import probe
 
     def old_varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, window_size=(-1, -1)):   # [N, H, D]
         assert q.shape[1] == k.shape[1], "heads must match without enable_gqa"
@@ -364,6 +365,6 @@ def test_flash_varlen_without_enable_gqa_repeats_the_kv_heads(monkeypatch):
     q = torch.randn(1, 8, N, 16, generator=g)
     k, v = torch.randn(1, 2, N, 16, generator=g), torch.randn(1, 2, N, 16, generator=g)
     cu = torch.tensor([0, 5, 14, 17], dtype=torch.int32)
-    got = _flash_varlen(q, k, v, cu, max(lengths), None, None)                         # [1, N, H, D]
+    got = _flash_varlen(q, k, v, cu, max(lengths), None, None, probe.__wrapped__("cpu"))   # [1, N, H, D]
     want = _grouped_sdpa(q, k, v, lengths, None, None)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=0)

@@ -22,6 +22,7 @@ from typing import Callable, Iterator, Optional
 import torch
 import torch.nn.functional as F
 
+from .attention import VARLEN_ATTENTION, packed_forward, probe_flash, register_varlen_attention
 from .batch_run import BatchRun
 from .context_parallel import cp_forward, head_tail
 from .events import JobPiece, Piece, SharedTokens, Step, pieces_of
@@ -29,8 +30,7 @@ from .head import Head
 from .loading import LoadedModel
 from .memory import ModelDims
 from .outputs import cut
-from .packing import (VARLEN_ATTENTION, Member, Pack, cpu_pack_tokens, packed_forward, packed_positions, probe_flash,
-                      register_varlen_attention)
+from .packing import Member, Pack, cpu_pack_tokens, packed_positions
 from .parallel import ParallelContext, single_rank
 from .pipeline import pipeline_steps
 from .prefix import live_members, shared_by_job
