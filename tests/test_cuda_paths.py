@@ -154,7 +154,7 @@ def test_nccl_options_make_timeouts_raise(monkeypatch):
 
 def test_a_gpu_server_gets_a_memory_budget_from_the_free_device_memory():
     from logitserve.server.app import ServerConfig
-    from logitserve.server.startup import device_budget
+    from logitserve.server.budget import device_budget
     from logitserve.server.scheduler import SchedulerConfig
 
     config = ServerConfig()

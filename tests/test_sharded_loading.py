@@ -43,7 +43,7 @@ def _rank(rank: int, port: int, directory: str, out, pp: int = 1) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=120))
     before = _prelude()
     from logitserve.hostmem import peak_rss_mib
-    from logitserve.shard_load import load_sharded
+    from logitserve.loading import load_sharded
 
     if pp == 1:
         loaded, shard = load_sharded(directory, "fp32", torch.device("cpu"), rank, 2, dist.group.WORLD)

@@ -11,6 +11,7 @@ is refused by name.
 from __future__ import annotations
 
 import json
+import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,6 +21,8 @@ import torch
 from safetensors import safe_open
 
 from .tp_plan import ParamShard
+
+READ_BLOCK_BYTES = 8 << 20     # whole tensors are copied in blocks of rows of at most this size (read_whole)
 
 
 @dataclass
@@ -126,6 +129,20 @@ class Checkpoint:
     def read_rows(self, key: str, start: int, stop: int) -> torch.Tensor:
         """Rows [start, stop) of a 2-D tensor (the lm_head's vocab shard)."""
         return self._read(key, None, 0, 1, rows=slice(start, stop))
+
+    def read_whole(self, key: str, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A whole tensor, a fresh copy in `dtype` on `device`: copied a block of rows at a time, each block's file
+        pages unmapped before the next, so a big tensor (an embedding) costs its copy, not its copy and its pages."""
+        with safe_open(self.files[key], framework="pt") as h:
+            shape = h.get_slice(key).get_shape()
+        row_bytes = max(1, math.prod(shape[1:]) * 4)      # at most 4 bytes an element, in the file or the copy
+        block = max(1, READ_BLOCK_BYTES // row_bytes)
+        if not shape or shape[0] <= block:
+            return self._read(key, None, 0, 1).to(device=device, dtype=dtype, copy=True)
+        out = torch.empty(shape, dtype=dtype, device=device)
+        for a in range(0, shape[0], block):
+            out[a : a + block] = self.read_rows(key, a, min(a + block, shape[0]))
+        return out
 
 
 def _conversions(model):

@@ -27,7 +27,7 @@ from .batch_run import BatchRun
 from .context_parallel import cp_forward, head_tail
 from .events import JobPiece, Piece, SharedTokens, Step, pieces_of
 from .head import Head
-from .loading import LoadedModel
+from .loaded import LoadedModel
 from .memory import ModelDims
 from .outputs import cut
 from .packing import Member, Pack, cpu_pack_tokens, packed_positions

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from .batch_run import BatchRun
 from .events import Piece, Step, pieces_of
-from .loading import LoadedModel
+from .loaded import LoadedModel
 from .outputs import cut
 from .reductions import HeadShard, Segment, reduce_block
 from .spec import Job, OutputKind
