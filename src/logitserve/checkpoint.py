@@ -22,6 +22,7 @@ from safetensors import safe_open
 
 from .tp_plan import ParamShard
 
+_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}   # safetensors' names
 READ_BLOCK_BYTES = 8 << 20     # whole tensors are copied in blocks of rows of at most this size (read_whole)
 
 
@@ -131,10 +132,14 @@ class Checkpoint:
         return self._read(key, None, 0, 1, rows=slice(start, stop))
 
     def read_whole(self, key: str, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """A whole tensor, a fresh copy in `dtype` on `device`: copied a block of rows at a time, each block's file
-        pages unmapped before the next, so a big tensor (an embedding) costs its copy, not its copy and its pages."""
+        """A whole tensor in `dtype` on `device`. On the host in the file's dtype: the file's pages themselves, read
+        when first touched (as transformers' from_pretrained keeps them). Otherwise a fresh copy, made a block of
+        rows at a time, each block's pages unmapped before the next: a big tensor costs its copy, not twice."""
         with safe_open(self.files[key], framework="pt") as h:
-            shape = h.get_slice(key).get_shape()
+            sl = h.get_slice(key)
+            shape, stored = sl.get_shape(), _DTYPES.get(sl.get_dtype())
+            if device.type == "cpu" and stored == dtype:
+                return h.get_tensor(key)
         row_bytes = max(1, math.prod(shape[1:]) * 4)      # at most 4 bytes an element, in the file or the copy
         block = max(1, READ_BLOCK_BYTES // row_bytes)
         if not shape or shape[0] <= block:

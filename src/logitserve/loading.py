@@ -215,9 +215,16 @@ class _Reader:
 
 
 def _skeleton(config, dtype: torch.dtype) -> nn.Module:
-    from accelerate import init_empty_weights
+    """The model with its parameters on the meta device, its buffers real; no weight initialisation (every
+    parameter is read from the checkpoint next)."""
+    import contextlib
 
-    with init_empty_weights(include_buffers=False):
+    from accelerate import init_empty_weights
+    try:
+        from transformers.initialization import no_init_weights
+    except ImportError:                   # transformers without it: meta tensors' initialisation is only slower
+        no_init_weights = contextlib.nullcontext
+    with init_empty_weights(include_buffers=False), no_init_weights():
         model = model_class(config).from_config(config, dtype=dtype, **attention_kwargs(config))
     return model.eval().requires_grad_(False)
 
@@ -234,6 +241,8 @@ def _set(model: nn.Module, name: str, value: torch.Tensor, is_param: bool) -> No
 def _vocab_rows(ckpt: Checkpoint, key: str, vocab: int, dtype, device, place: Place,
                 hidden: Optional[int] = None) -> tuple[torch.Tensor, int, int]:
     """Rows [r*ceil(V/tp), ...) of a [V, H] (or [V]) tensor, zero-padded to ceil(V/tp): (tensor, start, real rows)."""
+    if place.tp == 1:                                   # the whole tensor: read as any other
+        return ckpt.read_whole(key, dtype, device), 0, vocab
     local = math.ceil(vocab / place.tp)
     start = place.rank * local
     real = max(0, min(vocab, start + local) - start)
