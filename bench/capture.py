@@ -97,7 +97,8 @@ def main() -> int:
 def write_only(args, paths: dict, cfg: dict) -> dict:
     """Seconds to write one 64-sample shard of served-shaped tensors in each format, no server: tokens/s."""
     from logitserve.client import capture_formats as formats
-    from logitserve.client.capture import _bf16_bits, _save_safetensors
+    from logitserve.client.capture import _save_safetensors
+    from logitserve.client.capture_formats import bf16_bits
 
     rng = np.random.default_rng(1)
     n, L, k = 64, args.length, args.topk
@@ -111,7 +112,7 @@ def write_only(args, paths: dict, cfg: dict) -> dict:
     out: dict = {}
     try:
         for name, (fmt, dtype) in paths.items():
-            t = dict(base, topk_values=_bf16_bits(vals) if dtype == "bf16" else vals)
+            t = dict(base, topk_values=bf16_bits(vals) if dtype == "bf16" else vals)
             runs = []
             for r in range(args.repeats + 1):                  # the first run warms imports and caches
                 start = time.perf_counter()

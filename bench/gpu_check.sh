@@ -103,7 +103,7 @@ step bf16 240 "$PY" bench/gpu_check.py --device "$DEVICE" --against-fp32
 if [ "$DEVICE" = cuda ]; then
   step flash 120 "$PY" - <<'EOF'
 import numpy as np, torch
-from logitserve import packing
+from logitserve.attention import FLASH
 from logitserve.demo import demo_dir
 from logitserve.engine import Engine, EngineConfig
 from logitserve.loading import load_model
@@ -114,8 +114,8 @@ engine = Engine(loaded, EngineConfig())
 seqs = tuple(np.random.default_rng(0).integers(3, 32000, n).astype(np.int32) for n in (17, 300, 64))
 for _ in engine.batch_steps([Job(seqs, logprobs=LogprobsOpts())]):
     pass
-print(f"flash varlen calls: {packing.flash_calls}, flash on: {packing._flash_ok}")
-assert packing.flash_calls > 0 and packing._flash_ok, "bf16 packed attention did not run on varlen flash"
+print(f"flash varlen calls: {FLASH.calls}, flash on: {FLASH.enabled}")
+assert FLASH.calls > 0 and FLASH.enabled, "bf16 packed attention did not run on varlen flash"
 EOF
 else
   skip flash "the CPU has no flash varlen kernel: packed attention runs sdpa per length there"

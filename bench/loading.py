@@ -72,7 +72,7 @@ def serve_once(directory: Path, tp: int) -> tuple[float, dict[int, int], list[in
 
 
 def import_baseline() -> int:
-    code = ("import logitserve.server.app, logitserve.shard_load, accelerate, transformers;"
+    code = ("import logitserve.server.app, logitserve.loading, accelerate, transformers;"
             "from transformers import LlamaForCausalLM;"
             "from logitserve.hostmem import peak_rss_mib; print(int(peak_rss_mib()))")
     return int(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)

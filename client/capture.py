@@ -101,19 +101,13 @@ def _check_resumable(out: Path, manifest: dict) -> None:
                              f"use another --out or remove it")
 
 
-def _bf16_bits(x: np.ndarray) -> np.ndarray:
-    """fp32 -> bf16 (round to nearest even), as uint16 bits: numpy has no bfloat16."""
-    u = x.astype(np.float32).view(np.uint32)
-    return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
-
-
 def _shard_tensors(results: list, samples_ids: list, first: int, cfg: CaptureConfig, prompts: list) -> dict:
     ids = np.concatenate(samples_ids).astype(np.int32)
     rows = [len(x) - (P or 0) for x, P in zip(samples_ids, prompts)]
     vals = np.concatenate([v for r in results for v in r.topk_values]).astype(np.float32)
     tensors = {
         "input_ids": ids,
-        "topk_values": _bf16_bits(vals) if cfg.dtype == "bf16" else vals,
+        "topk_values": formats.bf16_bits(vals) if cfg.dtype == "bf16" else vals,
         "topk_ids": np.concatenate([i for r in results for i in r.topk_ids]).astype(np.int32),
         "topk_tail": np.concatenate([t for r in results for t in r.topk_tail]).astype(np.float32),
         "offsets": np.concatenate([[0], np.cumsum([len(x) for x in samples_ids])]).astype(np.int64),

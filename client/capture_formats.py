@@ -19,6 +19,12 @@ from pathlib import Path
 
 import numpy as np
 
+
+def bf16_bits(x: np.ndarray) -> np.ndarray:
+    """fp32 -> bf16 (round to nearest even), as uint16 bits: numpy has no bfloat16."""
+    u = x.astype(np.float32).view(np.uint32)
+    return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+
 PARQUET_FORMATS = ("axolotl", "distillkit", "hf")
 PASSTHROUGH = ("axolotl", "hf")               # formats that carry the input rows' other fields (e.g. messages)
 DISTILLKIT_CONFIG = "compression_config.yaml"
@@ -55,9 +61,8 @@ def pack_indices(ids: np.ndarray, bits: int) -> np.ndarray:
 def compress_logprobs(vals: np.ndarray, dtype: str) -> np.ndarray:
     """[n, k] descending logprobs -> [n, k * width] uint8: DistillKit's compress_monotonic_logprobs under the
     lossless config this module writes (exact_k = k, no delta encoding, no polynomial, no residual bins)."""
-    from .capture import _bf16_bits
 
-    exact = _bf16_bits(vals) if dtype == "bf16" else vals.astype("<f4")
+    exact = bf16_bits(vals) if dtype == "bf16" else vals.astype("<f4")
     return np.ascontiguousarray(exact).view(np.uint8).reshape(len(vals), -1)
 
 

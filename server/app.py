@@ -24,13 +24,13 @@ from logitserve.engine import Batching, Engine, EngineConfig
 from logitserve.head_export import HeadSource
 from logitserve.spec import ModelKind
 from logitserve.layout import Layout, single_process
-from logitserve.loading import LoadedModel, content_hash, load_model
-from logitserve.parallel import ParallelConfig
+from logitserve.loaded import LoadedModel, content_hash
+from logitserve.parallel import ParallelConfig, ParallelContext
 from logitserve.kserve import grpc_predict_v2_pb2_grpc as kpb_grpc
 
 from . import codec
 from .scheduler import Scheduler, SchedulerConfig, engine_batch_runner
-from .startup import device_budget, memory_estimator, startup_barrier  # noqa: F401 (memory_estimator re-exported)
+from .budget import device_budget, memory_estimator  # noqa: F401 (memory_estimator re-exported)
 from .kserve import KServeServicer
 from .gate import SERVICE_NAME, Gate, Listening, PortInUse, check_port_free, open_port  # noqa: F401 (re-exported)
 from .admission import ClientLimits
@@ -97,30 +97,22 @@ def _source(model: ModelConfig) -> tuple[Path, Optional[str]]:
     return demo_dir(model.demo, model.demo_shape), f"logitserve-demo-{model.demo}{shape}"
 
 
-def load(model: ModelConfig) -> LoadedModel:
-    """The whole model, in one process."""
-    from logitserve.hostmem import peak_rss_mib
-
-    t0 = time.perf_counter()
-    path, name = _source(model)
-    device = None
+def _device(model: ModelConfig) -> str:
+    """One process's device: cpu, or cuda when asked or (auto) when there is one."""
     if model.device != "cpu":
         import torch
 
         if model.device == "cuda" or torch.cuda.is_available():
-            device = "cuda"        # loaded straight onto the GPU: never the whole model in host memory first
-    loaded = load_model(path, dtype=model.dtype, max_seq_len=model.max_seq_len, name=name, device=device)
-    log.info("loaded the whole model in %.1f s; peak RSS %.0f MiB", time.perf_counter() - t0, peak_rss_mib())
-    return loaded
+            return f"cuda:{torch.cuda.current_device()}"
+    return "cpu"
 
 
-def load_rank(model: ModelConfig, ctx) -> tuple:
-    """This rank's model: its TP shards read straight from disk, or the whole model at tp = 1."""
-    from logitserve.parallel import apply_parallelism, hook_cp
-    from logitserve.shard_load import load_sharded
+def load_rank(model: ModelConfig, ctx: ParallelContext) -> tuple:
+    """This rank's model and its vocab shard, read straight from disk: its TP shards and PP stage; the whole model
+    in one process (trivial groups)."""
+    from logitserve.loading import load_sharded
+    from logitserve.parallel import hook_cp, startup_barrier
 
-    if ctx.tp == 1 and ctx.pp == 1:
-        return apply_parallelism(load(model), ctx)
     path, name = _source(model)
     # Only rank 0 reports the hash. It reads every weight file (minutes for a 100+ GB teacher), so it runs beside
     # the loading, and the other ranks then wait for it in a barrier with a start-up timeout, not in a model
@@ -307,29 +299,14 @@ def _warn_insecure(config: ServerConfig) -> None:
 
 async def serve(model: ModelConfig, config: ServerConfig) -> int:
     """One process, one rank: open the port, load, serve until SIGINT/SIGTERM, then drain for config.grace_s."""
+    from logitserve.parallel import single_rank
+
     _warn_insecure(config)
-    stop = _stop_on_signals()
-    listening = await open_port(config)
-    config = dataclasses.replace(config, port=listening.port)
-    _announce_loading(config, listening)
-    try:
-        loaded = await asyncio.to_thread(load, model)     # the event loop answers health and UNAVAILABLE meanwhile
-        if stop.is_set():                                  # told to stop while loading
-            await listening.close()
-            return 0
-        config = device_budget(config, loaded.head.weight.device)
-        running = await create_server(loaded, config, listening=listening)
-    except BaseException as e:
-        listening.gate.fail(f"{type(e).__name__}: {e}")
-        await listening.close()
-        raise
-    _announce(loaded, config, running)
-    await _until_stopped(running, config, asyncio.Event(), stop)
-    return 0
+    return await _serve(model, config, single_rank(_device(model)))
 
 
 def serve_rank(model: ModelConfig, config: ServerConfig, parallel: ParallelConfig) -> int:
-    """This process's rank of a tp x cp server: rank 0 serves gRPC, the others follow. Non-zero on a lost rank."""
+    """This process's rank of a tp x cp x pp server: rank 0 serves, the others follow. Non-zero on a lost rank."""
     import torch.distributed as dist
 
     from logitserve.distributed import follow
@@ -344,7 +321,7 @@ def serve_rank(model: ModelConfig, config: ServerConfig, parallel: ParallelConfi
     try:
         if ctx.is_root:
             _warn_insecure(config)
-            return asyncio.run(_serve_root(model, ctx, config))
+            return asyncio.run(_serve(model, config, ctx))
         engine, _ = _rank_engine(model, config, ctx)
         follow(engine, ctx)
         return 0
@@ -362,7 +339,7 @@ def serve_rank(model: ModelConfig, config: ServerConfig, parallel: ParallelConfi
                 pass
 
 
-def _rank_engine(model: ModelConfig, config: ServerConfig, ctx) -> tuple:
+def _rank_engine(model: ModelConfig, config: ServerConfig, ctx: ParallelContext) -> tuple:
     """(engine, layout) of this rank: every rank runs this, in the same order (it holds collectives)."""
     from logitserve.parallel import gather_layout
 
@@ -371,35 +348,48 @@ def _rank_engine(model: ModelConfig, config: ServerConfig, ctx) -> tuple:
     return engine, gather_layout(ctx)
 
 
-async def _serve_root(model: ModelConfig, ctx, config: ServerConfig) -> int:
-    from logitserve.distributed import DistributedRunner
-
+async def _serve(model: ModelConfig, config: ServerConfig, ctx: ParallelContext) -> int:
+    """Rank 0, or the only process: open the port, load, serve until a signal (or a lost rank), then drain."""
     stop = _stop_on_signals()
     listening = await open_port(config)
     config = dataclasses.replace(config, port=listening.port)
     _announce_loading(config, listening)
     try:
-        engine, layout = await asyncio.to_thread(_rank_engine, model, config, ctx)
+        engine, layout = await asyncio.to_thread(_rank_engine, model, config, ctx)   # the event loop answers
+        if stop.is_set() and ctx.control_group is None:     # health and UNAVAILABLE meanwhile; told to stop
+            await listening.close()
+            return 0
+        running, runner, fatal = await _start(engine, layout, config, ctx, listening)
     except BaseException as e:
         listening.gate.fail(f"{type(e).__name__}: {e}")
         await listening.close()
         raise
-    loaded = engine.loaded
-    loop = asyncio.get_running_loop()
-    fatal = asyncio.Event()
-    runner = DistributedRunner(engine, ctx, on_fatal=lambda reason: loop.call_soon_threadsafe(fatal.set))
-    config = device_budget(config, ctx.device)        # rank 0's GPU stands for each rank's (equal shards)
-    # under PP rank 0 holds no head: the head's share is the last stage's, ceil(V / tp) columns
-    vocab_local = engine.shard.size if ctx.pp == 1 else -(-loaded.vocab_size // ctx.tp)
-    estimate = memory_estimator(loaded, config, vocab_local, ctx.tp, ctx.cp, engine.pack_tokens, ctx.pp)
-    running = await create_server(loaded, config, layout, run_batch=runner.run_batch, idle=runner.heartbeat,
-                                  estimate=estimate, batching=engine.batching, listening=listening)
-    _announce(loaded, config, running)
-
+    _announce(engine.loaded, config, running)
     await _until_stopped(running, config, fatal, stop)   # a lost rank: health goes NOT_SERVING as the server stops
-    if runner.failed:
+    if runner is not None and runner.failed:
         log.error("exiting: a rank was lost (%s)", runner.failed)
         return 1
-    await asyncio.to_thread(runner.stop)
+    if runner is not None:
+        await asyncio.to_thread(runner.stop)
     return 0
 
+
+async def _start(engine: Engine, layout: Layout, config: ServerConfig, ctx: ParallelContext,
+                 listening: Listening) -> tuple:
+    """(the running server, the ranks' runner or None in one process, the event a lost rank sets)."""
+    from logitserve.distributed import DistributedRunner
+
+    fatal = asyncio.Event()
+    run_batch, idle, runner = engine_batch_runner(engine.batch_steps), None, None
+    if ctx.control_group is not None:
+        loop = asyncio.get_running_loop()
+        runner = DistributedRunner(engine, ctx, on_fatal=lambda reason: loop.call_soon_threadsafe(fatal.set))
+        run_batch, idle = runner.run_batch, runner.heartbeat
+    config = device_budget(config, ctx.device)        # rank 0's GPU stands for each rank's (equal shards)
+    # under PP rank 0 holds no head: the head's share is the last stage's, ceil(V / tp) columns
+    loaded = engine.loaded
+    vocab_local = engine.shard.size if ctx.pp == 1 else -(-loaded.vocab_size // ctx.tp)
+    estimate = memory_estimator(loaded, config, vocab_local, ctx.tp, ctx.cp, engine.pack_tokens, ctx.pp)
+    running = await create_server(loaded, config, layout, run_batch=run_batch, idle=idle, estimate=estimate,
+                                  batching=engine.batching, listening=listening)
+    return running, runner, fatal

@@ -30,15 +30,15 @@ from dataclasses import dataclass
 from typing import AsyncIterator, Callable, Iterator, Optional
 
 from logitserve.cost import Cost
-from logitserve.engine import Piece, SharedTokens
 from logitserve.errors import OverLimit, TooLarge
+from logitserve.events import Event, JobFailed, JobPiece, Piece, SharedTokens, StageTime
 from logitserve.spec import Job
 
 from .admission import UNKNOWN, Tally
 from .ticket import DONE, Failed, Gone, Ticket
 
-# (jobs, skip) -> (job index, Piece, or the exception that ends that job alone)
-BatchRun = Callable[[list, Callable[[int], bool]], Iterator[tuple[int, object]]]
+# (jobs, skip) -> the batch's events: its jobs' pieces, shared tokens and failures (a StageTime is the runner's)
+BatchRun = Callable[[list[Job], Callable[[int], bool]], Iterator[Event]]
 _MiB = 2 ** 20
 
 
@@ -174,7 +174,7 @@ class Scheduler:
         return ticket
 
     async def stream(self, job: Job, client: str = UNKNOWN, extra_hold: int = 0,
-                     cost: Optional[Cost] = None) -> AsyncIterator[Piece]:
+                     cost: Optional[Cost] = None) -> AsyncIterator[Piece | SharedTokens]:
         """Admit the job (or raise OverLimit) and yield its pieces as they are computed; `extra_hold`: bytes
         the caller holds for it beyond its buffer (KServe's dense answer)."""
         ticket = self.admit(job, client, extra_hold, cost)
@@ -293,63 +293,65 @@ class Scheduler:
         if not any(live):
             return
         self.batches_run += 1
-        stall = self.config.stall_timeout_s
         started = time.monotonic()
         waits = [started - t.admitted for t, ok in zip(batch, live) if ok]
         if self._metrics is not None:
             self._metrics.batch_started(waits, sum(t.tokens for t, ok in zip(batch, live) if ok))
-
-        def alone(i: int) -> Callable[[], bool]:
-            """Whether job i may hold the compute thread: no other job of this batch or of the queue waits."""
-            if not self.config.overlap:    # the measuring mode waits on every reader
-                return lambda: True
-            return lambda: not self._queues and not any(ok for j, ok in enumerate(live) if j != i)
-
-        pieces = self._run_batch([t.job for t in batch], lambda i: not live[i] or batch[i].cancelled.is_set())
+        events = self._run_batch([t.job for t in batch], lambda i: not live[i] or batch[i].cancelled.is_set())
         try:
-            for i, item in pieces:
-                if not live[i]:
+            for event in events:
+                if isinstance(event, StageTime):
+                    continue
+                if not live[event.job]:
                     if not any(live):    # every job gone (cancelled, too slow, shutting down): stop computing
                         break
                     continue
-                if isinstance(item, BaseException):   # that job's own error: it alone fails
-                    item = Failed(item)
-                try:
-                    batch[i].put(item, alone(i), stall)
-                except Gone:
-                    live[i] = False
-                    continue
-                if isinstance(item, Failed):
-                    live[i] = False
+                self._hand(batch, live, event.job, _item(event))
         except BaseException as e:   # the whole batch failed (a lost rank): every job hears why
-            for i, t in enumerate(batch):
+            for i in range(len(batch)):
                 if live[i]:
-                    live[i] = False
-                    try:
-                        t.put(Failed(e), alone(i), stall)
-                    except Gone:
-                        pass
+                    self._hand(batch, live, i, Failed(e))
         finally:
-            pieces.close()
+            events.close()
             if self._metrics is not None:
                 self._metrics.batch_done(waits, time.monotonic() - started)
-        for i, t in enumerate(batch):
+        for i in range(len(batch)):
             if live[i]:
-                try:
-                    t.put(DONE, alone(i), stall)
-                except Gone:
-                    pass
+                self._hand(batch, live, i, DONE)
+
+    def _hand(self, batch: list[Ticket], live: list[bool], i: int, item) -> None:
+        """One item to job i's stream; a job whose stream is gone, or that failed, takes no more."""
+        try:
+            batch[i].put(item, self._may_wait(batch, live, i), self.config.stall_timeout_s)
+        except Gone:
+            live[i] = False
+            return
+        if isinstance(item, Failed) or item is DONE:
+            live[i] = False
+
+    def _may_wait(self, batch: list[Ticket], live: list[bool], i: int) -> Callable[[], bool]:
+        """Whether job i may hold the compute thread: no other job of this batch or of the queue waits."""
+        if not self.config.overlap:    # the measuring mode waits on every reader
+            return lambda: True
+        return lambda: not self._queues and not any(ok for j, ok in enumerate(live) if j != i)
+
+
+def _item(event: Event):
+    """What a job's stream takes for an event of the job: its piece, its shared tokens, or its failure."""
+    if isinstance(event, JobPiece):
+        return event.piece
+    if isinstance(event, JobFailed):   # that job's own error: it alone fails
+        return Failed(event.error)
+    return event
 
 
 def engine_batch_runner(batch_steps) -> BatchRun:
     """Run a batch through an Engine's `batch_steps` in this process; a failing job fails alone."""
-    def run(jobs: list, skip: Callable[[int], bool]) -> Iterator[tuple[int, object]]:
+    def run(jobs: list[Job], skip: Callable[[int], bool]) -> Iterator[Event]:
         steps = batch_steps(jobs, skip)
         try:
             for step in steps:
-                yield from step.errors
-                yield from ((j, SharedTokens(n)) for j, n in step.shared)
-                yield from step.pieces
+                yield from step.events
         finally:
             steps.close()
     return run

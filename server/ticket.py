@@ -5,21 +5,24 @@ import asyncio
 import collections
 import threading
 import time
+from dataclasses import dataclass
 from typing import Callable
 
-from logitserve.engine import Piece
 from logitserve.errors import OverLimit
+from logitserve.events import Piece
 from logitserve.spec import Job
 
 _MiB = 2 ** 20
 
 
+@dataclass(frozen=True)
 class Failed:
-    def __init__(self, error: BaseException):
-        self.error = error
+    """Ends a job's stream with its error: the job's own, the batch's (a lost rank), or its buffer's bound."""
+
+    error: BaseException
 
 
-DONE = object()
+DONE = object()   # ends a job's stream: every piece of it was handed over
 
 
 class Gone(Exception):

@@ -91,19 +91,20 @@ def _fake_varlen(signature: str):
 def test_varlen_arguments_follow_the_installed_signature(monkeypatch, signature, window, gqa, expect):
     import torch.nn.attention.varlen as varlen_mod
 
-    from logitserve import packing
+    from logitserve import attention
+    from logitserve.capabilities import probe
 
     fake, calls = _fake_varlen(signature)
     monkeypatch.setattr(varlen_mod, "varlen_attn", fake)
-    monkeypatch.setattr(packing, "_varlen_caps", None)
+    caps = probe.__wrapped__("cpu")              # probed afresh (not the cached probe): the fake's signature
     heads_kv = 2 if gqa else 4
     q, k = torch.zeros(1, 4, 6, 8), torch.zeros(1, heads_kv, 6, 8)
     cu = torch.tensor([0, 6], dtype=torch.int32)
     if expect is NotImplementedError:
         with pytest.raises(NotImplementedError):
-            packing._flash_varlen(q, k, k, cu, 6, 0.5, window)
+            attention._flash_varlen(q, k, k, cu, 6, 0.5, window, caps)
         return
-    packing._flash_varlen(q, k, k, cu, 6, 0.5, window)
+    attention._flash_varlen(q, k, k, cu, 6, 0.5, window, caps)
     got = {n: calls[0][n] for n in ("window_size", "enable_gqa", "is_causal") if n in calls[0]}
     want = {n: v for n, v in {"window_size": (-1, -1), "enable_gqa": False, "is_causal": False}.items()
             if n in calls[0]}
@@ -158,7 +159,7 @@ def test_nccl_options_make_timeouts_raise(monkeypatch):
 @pytest.mark.unit
 def test_a_gpu_server_gets_a_memory_budget_from_the_free_device_memory():
     from logitserve.server.app import ServerConfig
-    from logitserve.server.startup import device_budget
+    from logitserve.server.budget import device_budget
     from logitserve.server.scheduler import SchedulerConfig
 
     config = ServerConfig()

@@ -26,6 +26,7 @@ def _rank(rank: int, world: int, tp: int, cp: int, port: int, directory: str, se
     torch.set_num_threads(1)
     from logitserve.distributed import DistributedRunner, follow
     from logitserve.engine import EngineConfig
+    from logitserve.events import JobFailed, JobPiece
     from logitserve.parallel import ParallelConfig, init_parallel
     from logitserve.server.app import ModelConfig, ServerConfig, _rank_engine
     from logitserve.spec import Job, LogprobsOpts
@@ -39,14 +40,17 @@ def _rank(rank: int, world: int, tp: int, cp: int, port: int, directory: str, se
     good = Job(sequences=tuple(np.asarray(s, np.int32) for s in seqs), logprobs=LogprobsOpts(top_k=7))
     bad = Job(sequences=good.sequences, logprobs=LogprobsOpts(top_k=7.0))      # past validation on purpose
     result = {"errors": [], "good": {}, "after": {}}
-    for i, item in runner.run_batch([bad, good]):
-        if isinstance(item, BaseException):
-            result["errors"].append((i, type(item).__name__))
-        else:
-            result["good" if i == 1 else "bad_pieces"] = result.get("good" if i == 1 else "bad_pieces", {})
-            result["good" if i == 1 else "bad_pieces"].setdefault(item.sequence, {})[item.offset[0]] = item.tensor.numpy()
-    for i, item in runner.run_batch([good]):      # the ranks are still in step
-        result["after"].setdefault(item.sequence, {})[item.offset[0]] = item.tensor.numpy()
+    for event in runner.run_batch([bad, good]):
+        if isinstance(event, JobFailed):
+            result["errors"].append((event.job, type(event.error).__name__))
+        elif isinstance(event, JobPiece):
+            key = "good" if event.job == 1 else "bad_pieces"
+            piece = event.piece
+            result.setdefault(key, {}).setdefault(piece.sequence, {})[piece.offset[0]] = piece.tensor.numpy()
+    for event in runner.run_batch([good]):      # the ranks are still in step
+        if isinstance(event, JobPiece):
+            piece = event.piece
+            result["after"].setdefault(piece.sequence, {})[piece.offset[0]] = piece.tensor.numpy()
     result["failed"] = runner.failed
     runner.stop()
     out.put(result)

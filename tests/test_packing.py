@@ -166,13 +166,16 @@ def _jobs(rng):
 
 
 def _collect(steps, n):
+    from logitserve.events import JobFailed, JobPiece
+
     out = {j: [] for j in range(n)}
     errors = {}
     for step in steps:
-        for j, e in step.errors:
-            errors[j] = e
-        for j, p in step.pieces:
-            out[j].append(p)
+        for e in step.events:
+            if isinstance(e, JobFailed):
+                errors[e.job] = e.error
+            elif isinstance(e, JobPiece):
+                out[e.job].append(e.piece)
     return out, errors
 
 
@@ -192,19 +195,19 @@ def _assemble(pieces, job):
 
 @pytest.mark.unit
 def test_a_failing_job_fails_alone_in_a_shared_pack_and_head_chunk(engine, monkeypatch):
-    import logitserve.engine as eng
+    import logitserve.head as head
 
     jobs = _jobs(np.random.default_rng(76))
     alone = [_assemble(list(engine.run(job)), job) for job in jobs]
-    real = eng.block_pieces
+    real = head.reduce_block
 
-    def flaky(job, *a, **kw):   # the head fails for job 1 only
+    def flaky(job, z, h, segs, hs, cands):   # the head fails for job 1 only
         if job.temperature == 0.77:
             raise RuntimeError("injected head failure")
-        return real(job, *a, **kw)
-    monkeypatch.setattr(eng, "block_pieces", flaky)
+        return real(job, z, h, segs, hs, cands)
+    monkeypatch.setattr(head, "reduce_block", flaky)
     _only_job_1_fails(engine, jobs, alone, "injected head failure")
-    monkeypatch.setattr(eng, "block_pieces", real)
+    monkeypatch.setattr(head, "reduce_block", real)
 
     real_packed, real_hidden = engine.packed_hidden, engine.hidden
     packs, redone = [], []
@@ -223,14 +226,15 @@ def test_a_failing_job_fails_alone_in_a_shared_pack_and_head_chunk(engine, monke
     assert_same_signature(packed_hidden, real_packed)
     assert_same_signature(hidden, real_hidden)
     monkeypatch.setattr(engine, "packed_hidden", packed_hidden)
-    monkeypatch.setattr(engine, "hidden", hidden)
     _only_job_1_fails(engine, jobs, alone, "injected body failure")
-    failed = [p for p in packs if 13 in p]
+    failed = [i for i, p in enumerate(packs) if 13 in p and len(p) > 1]
     assert failed, f"no pack held the 13-token sequence (packs {packs}): the pack path never ran"
-    # a shared pack: it held other jobs' sequences too; it, and it alone, is redone per sequence, each of its
-    # members once (job 1's 40-token one at most once: the redo may reach it before or after the 13 fails)
-    members = sorted(n for p in failed for n in p)
-    assert len(members) > 2, packs
+    # a shared pack: it held other jobs' sequences too; it, and it alone, is redone per sequence (as packs of one,
+    # or through `hidden`), each of its members once (job 1's 40-token one at most once: the redo may reach it
+    # before or after the 13 fails)
+    members = sorted(packs[failed[0]])
+    assert len(failed) == 1 and len(members) > 2, packs
+    redone += [p[0] for p in packs[failed[0] + 1 :] if len(p) == 1]
     assert sorted(n for n in redone if n != 40) == [n for n in members if n != 40] and redone.count(40) <= 1, (packs, redone)
 
 
@@ -248,8 +252,8 @@ def test_a_cancelled_job_stops_and_the_others_finish(engine):
     cancelled = set()
     out = {j: [] for j in range(len(jobs))}
     for step in engine.batch_steps(jobs, skip=lambda j: j in cancelled):
-        for j, p in step.pieces:
-            out[j].append(p)
+        for j, pieces in _collect([step], len(jobs))[0].items():
+            out[j] += pieces
         if out[0]:
             cancelled.add(0)
     full = _collect(engine.batch_steps(jobs[:1]), 1)[0][0]
@@ -292,7 +296,7 @@ def _reference_attention(q, k, v, lengths, window=None, softcap=None):
 @pytest.mark.unit
 @pytest.mark.parametrize("window,softcap", [(None, None), (4, None), (None, 0.7), (4, 0.7)])
 def test_varlen_attention_equals_per_sequence_softmax(window, softcap):
-    from logitserve.packing import packed_forward, varlen_attention_forward
+    from logitserve.attention import packed_forward, varlen_attention_forward
 
     torch.manual_seed(0)
     lengths = [1, 5, 5, 17, 3, 5]
@@ -319,7 +323,7 @@ def test_plan_packs_bounds_tokens_and_keeps_order():
 
 @pytest.mark.unit
 def test_attention_sinks_are_refused_not_dropped():
-    from logitserve.packing import varlen_attention_forward
+    from logitserve.attention import varlen_attention_forward
 
     q = torch.zeros(1, 2, 3, 4)
     with pytest.raises(NotImplementedError, match="--batching exact"):
@@ -373,7 +377,8 @@ def test_flash_varlen_without_enable_gqa_repeats_the_kv_heads(monkeypatch):
     The kernel is stood in for by a per-sequence causal sdpa on CPU that refuses the keyword, as such a torch does."""
     import torch.nn.attention.varlen as varlen
     import torch.nn.functional as F
-    from logitserve.packing import _flash_varlen, _grouped_sdpa
+    from logitserve.attention import _flash_varlen, _grouped_sdpa
+    from logitserve.capabilities import probe
 
     def old_varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, window_size=(-1, -1)):   # [N, H, D]
         assert q.shape[1] == k.shape[1], "heads must match without enable_gqa"
@@ -391,6 +396,6 @@ def test_flash_varlen_without_enable_gqa_repeats_the_kv_heads(monkeypatch):
     q = torch.randn(1, 8, N, 16, generator=g)
     k, v = torch.randn(1, 2, N, 16, generator=g), torch.randn(1, 2, N, 16, generator=g)
     cu = torch.tensor([0, 5, 14, 17], dtype=torch.int32)
-    got = _flash_varlen(q, k, v, cu, max(lengths), None, None)                         # [1, N, H, D]
+    got = _flash_varlen(q, k, v, cu, max(lengths), None, None, probe.__wrapped__("cpu"))   # [1, N, H, D]
     want = _grouped_sdpa(q, k, v, lengths, None, None)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=0)

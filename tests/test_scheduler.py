@@ -183,7 +183,7 @@ def test_cancelled_queued_job_frees_its_queue_tokens_at_once():
 
     import torch
 
-    from logitserve.engine import Piece
+    from logitserve.events import JobPiece, Piece
     from logitserve.server.scheduler import Scheduler
     from logitserve.spec import Job, LogprobsOpts, OutputKind
 
@@ -192,7 +192,7 @@ def test_cancelled_queued_job_frees_its_queue_tokens_at_once():
     def run_batch(jobs, skip):
         for i, _ in enumerate(jobs):
             gate.wait(30)
-            yield i, Piece(OutputKind.TOKEN_LOGPROBS, 0, (1,), (0,), torch.zeros(1))
+            yield JobPiece(i, Piece(OutputKind.TOKEN_LOGPROBS, 0, (1,), (0,), torch.zeros(1)))
 
     scheduler = Scheduler(run_batch, SchedulerConfig(max_batch_tokens=100, batch_delay_s=0))
     job = lambda n: Job(sequences=(np.zeros(n, np.int32),), logprobs=LogprobsOpts())

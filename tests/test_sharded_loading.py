@@ -44,7 +44,7 @@ def _rank(rank: int, port: int, directory: str, out, pp: int = 1) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=120))
     before = _prelude()
     from logitserve.hostmem import peak_rss_mib
-    from logitserve.shard_load import load_sharded
+    from logitserve.loading import load_sharded
 
     if pp == 1:
         loaded, shard = load_sharded(directory, "fp32", torch.device("cpu"), rank, 2, dist.group.WORLD)
@@ -125,3 +125,51 @@ def test_server_refuses_pipelines_it_cannot_build_at_startup(tmp_path):
     reward = build_model(tmp_path / "reward", "llama", kind="reward", hidden=64)
     with pytest.raises(RuntimeError, match=r"--pp serves causal LMs"):
         CliServer("--model", str(reward), "--pp", "2")
+
+
+def _serve_logprobs(directory, seqs) -> list:
+    """Token logprobs from an Engine on load_model (one process, the sharded loader with trivial groups)."""
+    import numpy as np
+
+    from logitserve.engine import Engine, EngineConfig
+    from logitserve.loading import load_model
+    from logitserve.spec import Job, LogprobsOpts, OutputKind
+
+    loaded = load_model(directory)
+    job = Job(tuple(np.asarray(s, np.int32) for s in seqs), logprobs=LogprobsOpts())
+    out = [np.full(len(s), np.nan) for s in seqs]
+    for piece in Engine(loaded, EngineConfig(chunk_size=16)).run(job):
+        if piece.output is OutputKind.TOKEN_LOGPROBS:
+            out[piece.sequence][piece.offset[0] : piece.offset[0] + len(piece.tensor)] = piece.tensor.numpy()
+    return loaded, out
+
+
+def test_one_process_load_keeps_an_lm_head_bias_and_one_tied_embedding(tmp_path):
+    """tp = 1 through the sharded loader: Phi's lm_head bias is read (logprobs equal float64 transformers), and a
+    tied head is the embedding's own tensor, not a second copy."""
+    import numpy as np
+    import transformers as tf
+
+    from helpers import Reference, ref_token_logprobs
+
+    cfg = tf.PhiConfig(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                       num_attention_heads=4, max_position_embeddings=128, tie_word_embeddings=False)
+    torch.manual_seed(5)
+    model = tf.PhiForCausalLM(cfg).float().eval()
+    with torch.no_grad():
+        model.lm_head.bias.normal_(0, 1.0)                     # a bias that moves the logprobs
+    model.save_pretrained(tmp_path / "phi")
+    seqs = [list(np.random.default_rng(6).integers(0, 300, n)) for n in (9, 30)]
+    loaded, got = _serve_logprobs(tmp_path / "phi", seqs)
+    assert loaded.head.bias is not None
+    ref = Reference(tmp_path / "phi")
+    for seq, lp in zip(seqs, got):
+        np.testing.assert_allclose(lp, ref_token_logprobs(ref.logits(seq), seq), atol=1e-5, rtol=0)
+
+    import json
+
+    tied = build_model(tmp_path / "tied", "llama", hidden=64)
+    config = tied / "config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), "tie_word_embeddings": True}))
+    loaded, _ = _serve_logprobs(tied, seqs[:1])
+    assert loaded.head.weight.data_ptr() == loaded.model.get_input_embeddings().weight.data_ptr()

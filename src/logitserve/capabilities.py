@@ -5,7 +5,8 @@ API newer than the floor asks here first and falls back where it is missing, so 
 machine degrades with one logged line instead of failing every request:
 - `mm_out_dtype`: torch.mm(bf16, bf16, out_dtype=float32), the head GEMM with fp32 output on CUDA
   (without it the logits are rounded to bf16 before the upcast: 0.125 steps at |z| in 16..32);
-- `varlen_attn` / `varlen_gqa`: torch.nn.attention.varlen.varlen_attn, and its enable_gqa argument;
+- `varlen_attn` / `varlen_gqa` / `varlen_window` / `varlen_causal`: torch.nn.attention.varlen.varlen_attn, and
+  which of its enable_gqa, window_size and is_causal arguments it takes (logitserve.attention);
 - `nccl_device_id`: init_process_group(device_id=...), which binds NCCL to the rank's GPU at once.
 """
 from __future__ import annotations
@@ -28,6 +29,8 @@ class Capabilities:
     mm_out_dtype: bool      # fp32-output GEMM from bf16/fp16 inputs on this device
     varlen_attn: bool       # flash varlen attention importable (a CUDA build; the kernel is checked on first use)
     varlen_gqa: bool        # varlen_attn takes enable_gqa (else KV heads are repeated)
+    varlen_window: bool     # varlen_attn takes window_size (causal and sliding-window masks)
+    varlen_causal: bool     # varlen_attn takes is_causal (causal masks only)
     nccl: bool
     nccl_device_id: bool    # init_process_group takes device_id
 
@@ -59,13 +62,15 @@ def probe(device: str = "cpu") -> Capabilities:
 
     try:
         from torch.nn.attention.varlen import varlen_attn
-        varlen, gqa = True, _takes(varlen_attn, "enable_gqa")
+        varlen = True
+        gqa, window, causal = (_takes(varlen_attn, n) for n in ("enable_gqa", "window_size", "is_causal"))
     except ImportError:
-        varlen = gqa = False
+        varlen = gqa = window = causal = False
     cuda = device.startswith("cuda") and torch.cuda.is_available()
     caps = Capabilities(
         torch=torch.__version__, cuda=cuda, device_name=torch.cuda.get_device_name(device) if cuda else "cpu",
         mm_out_dtype=_mm_out_dtype(device), varlen_attn=varlen, varlen_gqa=gqa,
+        varlen_window=window, varlen_causal=causal,
         nccl=dist.is_available() and dist.is_nccl_available(),
         nccl_device_id=dist.is_available() and _takes(dist.init_process_group, "device_id"))
     if cuda:

@@ -11,6 +11,7 @@ is refused by name.
 from __future__ import annotations
 
 import json
+import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,6 +21,9 @@ import torch
 from safetensors import safe_open
 
 from .tp_plan import ParamShard
+
+_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}   # safetensors' names
+READ_BLOCK_BYTES = 8 << 20     # whole tensors are copied in blocks of rows of at most this size (read_whole)
 
 
 @dataclass
@@ -126,6 +130,24 @@ class Checkpoint:
     def read_rows(self, key: str, start: int, stop: int) -> torch.Tensor:
         """Rows [start, stop) of a 2-D tensor (the lm_head's vocab shard)."""
         return self._read(key, None, 0, 1, rows=slice(start, stop))
+
+    def read_whole(self, key: str, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A whole tensor in `dtype` on `device`. On the host in the file's dtype: the file's pages themselves, read
+        when first touched (as transformers' from_pretrained keeps them). Otherwise a fresh copy, made a block of
+        rows at a time, each block's pages unmapped before the next: a big tensor costs its copy, not twice."""
+        with safe_open(self.files[key], framework="pt") as h:
+            sl = h.get_slice(key)
+            shape, stored = sl.get_shape(), _DTYPES.get(sl.get_dtype())
+            if device.type == "cpu" and stored == dtype:
+                return h.get_tensor(key)
+        row_bytes = max(1, math.prod(shape[1:]) * 4)      # at most 4 bytes an element, in the file or the copy
+        block = max(1, READ_BLOCK_BYTES // row_bytes)
+        if not shape or shape[0] <= block:
+            return self._read(key, None, 0, 1).to(device=device, dtype=dtype, copy=True)
+        out = torch.empty(shape, dtype=dtype, device=device)
+        for a in range(0, shape[0], block):
+            out[a : a + block] = self.read_rows(key, a, min(a + block, shape[0]))
+        return out
 
 
 def _conversions(model):

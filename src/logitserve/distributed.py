@@ -1,6 +1,6 @@
 """Serving across ranks: rank 0 broadcasts each job, every rank runs its share, rank 0 gathers the pieces.
 
-Jobs and pieces travel on the gloo control group (CPU tensors, pickled); the
+Jobs and events travel on the gloo control group (CPU tensors, pickled); the
 model's own collectives run on the TP/CP groups. After every step rank 0 shares
 which of the batch's jobs are dropped (cancelled, ended for a slow reader), so
 every rank skips the same work at the same point and a dropped job's remaining
@@ -17,7 +17,8 @@ from typing import Callable, Iterator, Optional
 import torch
 import torch.distributed as dist
 
-from .engine import Engine, Piece, SharedTokens, Step
+from .engine import Engine
+from .events import Event, StageTime, Step
 from .errors import Unavailable
 from .parallel import ParallelContext
 from .spec import Job
@@ -80,13 +81,14 @@ class DistributedRunner:
     def _broadcast(self, msg) -> None:
         self._collective(dist.broadcast_object_list, [msg], src=0, group=self._ctx.control_group)
 
-    def _gather(self, pieces: list[tuple[int, Piece]]) -> list[tuple[int, Piece]]:
+    def _gather(self, events: list[Event]) -> list[Event]:
         out = [None] * self._ctx.config.world_size
-        self._collective(dist.gather_object, pieces, out, dst=0, group=self._ctx.control_group)
-        return [p for rank_pieces in out for p in rank_pieces]
+        self._collective(dist.gather_object, events, out, dst=0, group=self._ctx.control_group)
+        out[0] = events                  # rank 0's own, not their pickled round trip
+        return [e for rank_events in out for e in rank_events]
 
-    def run_batch(self, jobs: list[Job], skip: Callable[[int], bool] = lambda i: False) -> Iterator[tuple[int, object]]:
-        """One broadcast for the batch; (job index, piece or the job's exception) as the ranks' steps are gathered.
+    def run_batch(self, jobs: list[Job], skip: Callable[[int], bool] = lambda i: False) -> Iterator[Event]:
+        """One broadcast for the batch; every rank's events as the ranks' steps are gathered.
 
         `skip` is read after every step and shared with the other ranks (_share_dropped), so all of them
         drop a cancelled job's remaining work at the same point.
@@ -95,40 +97,36 @@ class DistributedRunner:
             dropped = [bool(skip(i)) for i in range(len(jobs))]
             self._broadcast((_JOB, (jobs, dropped)))
             steps = self._engine.batch_steps(jobs, lambda j: dropped[j])
-            # A job's own error (every rank raises it alike) stays in its Step.errors and the ranks go on in
-            # step; what escapes a step (a failed collective) leaves them out of step: fatal.
+            # A job's own error (every rank raises it alike) becomes its JobFailed and the ranks go on in step;
+            # what escapes a step (a failed collective) leaves them out of step: fatal.
             try:
                 while (step := self._collective(next, steps, _END)) is not _END:
-                    # The step's pieces are gathered before anything is yielded: a consumer leaving at any
+                    # The step's events are gathered before anything is yielded: a consumer leaving at any
                     # yield below finds every rank past this step's gather and before its _share_dropped.
                     others = _others_emit(jobs, step, self._ctx)
-                    pieces = self._gather(list(step.pieces)) if others else list(step.pieces)
-                    if self._ctx.pp > 1:
-                        pieces = self._stage_times(pieces)
-                    yield from step.errors      # (job, exception): that job alone fails, with its status
-                    yield from ((j, SharedTokens(n)) for j, n in step.shared)
-                    yield from pieces
+                    events = self._gather(list(step.events)) if others else list(step.events)
+                    self._stage_times(events)
+                    yield from events
                     self._collective(_share_dropped, dropped, self._ctx, skip)
             except GeneratorExit:
                 # The consumer left; the other ranks are mid-batch: drop every job and finish it in lockstep.
                 self._collective(_share_dropped, dropped, self._ctx, lambda i: True)
                 while (step := self._collective(next, steps, _END)) is not _END:
                     if _others_emit(jobs, step, self._ctx):
-                        self._gather(list(step.pieces))
+                        self._gather(list(step.events))
                     self._collective(_share_dropped, dropped, self._ctx, lambda i: True)
                 raise
 
-    def _stage_times(self, pieces: list) -> list:
-        """The pieces without the stages' timings (job -1), which end a batch under PP: its bubble, logged."""
+    def _stage_times(self, events: list[Event]) -> None:
+        """The stages' timings, which end a batch under PP: its bubble, logged."""
         from .pipeline import bubble_fraction
 
-        times = [p for j, p in pieces if j == -1]
+        times = [e for e in events if isinstance(e, StageTime)]
         if times:
             self.last_bubble = bubble_fraction(times)
             log.info("pipeline batch: bubble %.3f (stages busy %s s of %s s)", self.last_bubble,
                      "/".join(f"{t.busy_s:.3f}" for t in sorted(times, key=lambda t: t.stage)),
                      "/".join(f"{t.wall_s:.3f}" for t in sorted(times, key=lambda t: t.stage)))
-        return [(j, p) for j, p in pieces if j != -1]
 
     def heartbeat(self) -> None:
         with self._lock:
@@ -155,7 +153,7 @@ def follow(engine: Engine, ctx: ParallelContext) -> None:
             return
         if kind == _JOB:
             jobs, dropped = payload
-            for step in engine.batch_steps(jobs, lambda j: dropped[j]):   # a job's error is rank 0's to report
+            for step in engine.batch_steps(jobs, lambda j: dropped[j]):
                 if _others_emit(jobs, step, ctx):
-                    dist.gather_object(list(step.pieces), None, dst=0, group=ctx.control_group)
+                    dist.gather_object(list(step.events), None, dst=0, group=ctx.control_group)
                 _share_dropped(dropped, ctx)

@@ -2,7 +2,7 @@
 
 At tp = 1 the rows come from the loaded head itself. Under TP rank 0 holds only its
 vocab shard, so the rows are read from the checkpoint the shards came from, with the
-same reads and the same dtype conversion (`shard_load._vocab_rows`): what is sent is
+same reads and the same dtype conversion (`loading._vocab_rows`): what is sent is
 bitwise what the ranks multiply with. Padding rows (tp not dividing V) are never sent.
 """
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Iterator, Optional
 
 import torch
 
-from .loading import LoadedModel
+from .loaded import LoadedModel
 from .spec import ModelKind
 
 

@@ -1,9 +1,9 @@
 """Tensor/context-parallel set-up: process groups with timeouts, and TP as a pass over a loaded model.
 
 Rank layout: rank = (pp_rank * cp + cp_rank) * tp + tp_rank (TP ranks adjacent, so a
-TP group stays inside a node; pipeline stages outermost, so they span nodes). Under TP each rank loads only its shards (shard_load, with
-the plan from tp_plan); logits stay vocab-sharded [N, V/tp], padded with columns
-that the engine masks to -inf when tp does not divide V.
+TP group stays inside a node; pipeline stages outermost, so they span nodes). Each rank loads only its part
+(logitserve.loading, with the plan from tp_plan; tp = 1 is the same load with trivial groups); logits stay
+vocab-sharded [N, V/tp], padded with columns that the engine masks to -inf when tp does not divide V.
 """
 from __future__ import annotations
 
@@ -17,8 +17,7 @@ import torch
 import torch.distributed as dist
 
 from .layout import Layout, RankPlace
-from .loading import LoadedModel
-from .vocab_parallel import VocabShard, full_vocab
+from .loaded import LoadedModel
 
 
 @dataclass(frozen=True)
@@ -76,6 +75,12 @@ class ParallelContext:
     @property
     def is_root(self) -> bool:
         return self.rank == 0
+
+    @property
+    def reports(self) -> bool:
+        """Whether this rank emits the events every rank computes alike (a job's failure, shared tokens): the last
+        stage's first rank, so that they reach rank 0 once, gathered or (pp = 1) its own."""
+        return self.tp_rank == 0 and self.cp_rank == 0 and self.pp_rank == self.pp - 1
 
 
 def single_rank(device: str = "cpu") -> ParallelContext:
@@ -138,16 +143,14 @@ def gather_layout(ctx: ParallelContext) -> Layout:
     return Layout(ctx.tp, ctx.cp, tuple(places), ctx.pp)
 
 
-def apply_parallelism(loaded: LoadedModel, ctx: ParallelContext) -> tuple[LoadedModel, VocabShard]:
-    """The pass over a whole loaded model (tp = 1): move it to the device and hook CP attention.
+STARTUP_TIMEOUT_S = 3600.0     # ranks waiting for rank 0's checkpoint hash at start-up
 
-    Under TP each rank builds only its shards instead (`shard_load.load_sharded`), then `hook_cp`.
-    """
-    if ctx.tp > 1:
-        raise ValueError("tp > 1 loads shards with shard_load.load_sharded, not a whole model")
-    loaded.model.to(ctx.device)
-    hook_cp(loaded, ctx)
-    return loaded, full_vocab(loaded.vocab_size)
+
+def startup_barrier(ctx: ParallelContext, timeout_s: float = STARTUP_TIMEOUT_S) -> None:
+    """Every rank here before any model collective: a gloo barrier on the control group with its own timeout."""
+    if ctx.control_group is None:
+        return
+    dist.monitored_barrier(ctx.control_group, timeout=datetime.timedelta(seconds=timeout_s), wait_all_ranks=True)
 
 
 def hook_cp(loaded: LoadedModel, ctx: ParallelContext) -> None:

@@ -6,7 +6,7 @@ stage, the final norm and the lm_head on the last). Every rank plans the same pa
 last stage: it receives micro-batch i's activations `[tokens, H]` from stage s - 1, runs
 its layers and sends them on (isend: it goes on with the next while they travel), so
 after the fill every stage works at once. The last stage runs the head on micro-batch i
-and its pieces go to rank 0 in the runner's step gather, one step per micro-batch on
+and its events go to rank 0 in the runner's step gather, one step per micro-batch on
 every rank, which is also what keeps the stages in step: stage s enters micro-batch i's
 gather only after sending micro-batch i + lead. In flight per stage: `lead` micro-batches
 (the fewest that keep the last stage fed without a stall, and a bounded activation memory
@@ -15,12 +15,15 @@ of lead x [tokens, H]). Every send and receive runs under the process group's ti
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 from typing import Iterator, Optional
 
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from .events import StageTime, Step
+from .packing import Pack
+from .schedule import pack_rows
 
 
 def split_stages(layer_sizes: list[int], first_extra: int, last_extra: int, pp: int) -> list[tuple[int, int]]:
@@ -50,16 +53,6 @@ def split_stages(layer_sizes: list[int], first_extra: int, last_extra: int, pp: 
         bounds.append((j, i))
         i = j
     return bounds[::-1]
-
-
-@dataclass(frozen=True)
-class StageTime:
-    """Rides with a batch's last step from every rank (as job -1): seconds this stage computed, and its batch's wall
-    time from its first micro-batch to its last step. The runner turns them into the batch's bubble fraction."""
-
-    stage: int
-    busy_s: float
-    wall_s: float
 
 
 def bubble_fraction(times: list[StageTime]) -> float:
@@ -113,59 +106,65 @@ def install_stage(body: nn.Module, layers: tuple[int, int], stage: int, pp: int,
     return StageInput(body.layers[0])
 
 
-def pipeline_steps(engine, run, units: list) -> Iterator:
-    """This rank's Steps for a batch under PP: one per micro-batch (pack), the same count on every rank."""
-    from .engine import Step
-    from .prefix import shared_by_job
-
+def pipeline_steps(engine, run, units: list[Pack]) -> Iterator[Step]:
+    """This rank's Steps for a batch under PP: one per micro-batch (unit), the same count on every rank; the last
+    stage's head events, gathered to rank 0, and every stage's StageTime with the last. `engine`: the Engine."""
     ctx = engine.parallel
     stage, pp = ctx.pp_rank, ctx.pp
-    last = stage == pp - 1
     lead = pp - 1 - stage
-    in_flight: list = []                      # (work, tensor) of sends not yet known to have left
-    done: dict[int, torch.Tensor] = {}
-    busy = [0.0]
-    t_start = time.perf_counter()
+    flow = _StageFlow(engine, run, units, stage)
+    for i in range(min(lead, len(units))):
+        flow.advance(i)
+    for i, unit in enumerate(units):
+        if i + lead < len(units):
+            flow.advance(i + lead)
+        jobs = tuple(dict.fromkeys(m.job for m in unit.members if m.job >= 0))
+        events: list = []
+        if stage == pp - 1:
+            t0 = time.perf_counter()
+            members = list(unit.members)          # the body ran for every member, dropped ones included
+            for step in engine.head_steps(run, members, flow.done.pop(i), pack_rows(members)):
+                events += step.events
+            flow.busy += time.perf_counter() - t0
+        if i == len(units) - 1:
+            events.append(StageTime(stage, flow.busy, time.perf_counter() - flow.t_start))
+        yield Step(jobs, tuple(events))
+    flow.finish()
 
-    def advance(i: int) -> None:
-        members = list(units[i].members)
-        _, tokens = engine._body_tokens(run.jobs, members)
-        n = sum(m.length for m in members)
-        if stage > 0:
+
+class _StageFlow:
+    """This stage's side of the micro-batches: receive, run its layers, send on (or keep, on the last stage)."""
+
+    def __init__(self, engine, run, units: list[Pack], stage: int):
+        self.engine, self.run, self.units, self.stage = engine, run, units, stage
+        self.last = stage == engine.parallel.pp - 1
+        self.lead = engine.parallel.pp - 1 - stage
+        self.in_flight: list = []                 # (work, tensor) of sends not yet known to have left
+        self.done: dict[int, torch.Tensor] = {}   # the last stage's hidden states by micro-batch
+        self.busy = 0.0
+        self.t_start = time.perf_counter()
+
+    def advance(self, i: int) -> None:
+        engine, ctx = self.engine, self.engine.parallel
+        members = list(self.units[i].members)
+        if self.stage > 0:
+            n = sum(m.length for m in members)
             incoming = torch.empty(n, engine.hidden_size, dtype=engine.act_dtype, device=engine.device)   # [N, H]
             dist.recv(incoming, src=ctx.stage_peer(-1))
             engine.stage_input.value = incoming
         t0 = time.perf_counter()
-        h = engine.packed_hidden(torch.cat(tokens), [m.length for m in members], [m.start for m in members],
-                                 [m.parent for m in members])                                              # [N, H]
-        busy[0] += time.perf_counter() - t0
+        h = engine.unit_body(self.run.jobs, members)                                               # [N, H]
+        self.busy += time.perf_counter() - t0
         if engine.stage_input is not None:
             engine.stage_input.value = None
-        if last:
-            done[i] = h
+        if self.last:
+            self.done[i] = h
             return
         h = h.contiguous()
-        in_flight.append((dist.isend(h, dst=ctx.stage_peer(1)), h))
-        while len(in_flight) > max(lead, 1):
-            in_flight.pop(0)[0].wait()
+        self.in_flight.append((dist.isend(h, dst=ctx.stage_peer(1)), h))
+        while len(self.in_flight) > max(self.lead, 1):
+            self.in_flight.pop(0)[0].wait()
 
-    for i in range(min(lead, len(units))):
-        advance(i)
-    for i, pack in enumerate(units):
-        if i + lead < len(units):
-            advance(i + lead)
-        jobs = tuple(dict.fromkeys(m.job for m in pack.members if m.job >= 0))
-        shared = tuple(shared_by_job(list(pack.members))) if ctx.is_root else ()
-        pieces: list = []
-        if last:
-            t0 = time.perf_counter()
-            for step in engine._pack_steps(run, pack, h=done.pop(i)):
-                pieces += step.pieces
-                if engine.head_shard.emits_replicated:   # (job, exception) travel with the pieces: rank 0 has no head
-                    pieces += step.errors
-            busy[0] += time.perf_counter() - t0
-        if i == len(units) - 1:
-            pieces.append((-1, StageTime(stage, busy[0], time.perf_counter() - t_start)))
-        yield Step(jobs, tuple(pieces), shared=shared)
-    for work, _ in in_flight:
-        work.wait()
+    def finish(self) -> None:
+        for work, _ in self.in_flight:
+            work.wait()

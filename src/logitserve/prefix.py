@@ -5,7 +5,7 @@ streams) the sequences whose first `min_shared` tokens agree form a group; its p
 run all members share, capped so that every member keeps at least one token of its own and no row
 that needs the head falls inside it, goes through the body once as a pack member of its own, and
 each member continues from it: its rows attend to the prefix's keys and values and causally to
-themselves, with positions going on from the prefix (packing.varlen_attention_forward). Sharing is
+themselves, with positions going on from the prefix (attention.varlen_attention_forward). Sharing is
 flat: one prefix per group (members that share a longer run in pairs still compute that part each).
 A group larger than a pack is split, each part with its own copy of the prefix.
 """

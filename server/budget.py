@@ -1,4 +1,4 @@
-"""Where a server's memory and ranks stand at start-up: the GPU memory budget, the peak estimator, the ranks' barrier."""
+"""The memory budget a server starts with: the GPU's free memory when none is given, and each job's peak estimate."""
 from __future__ import annotations
 
 import dataclasses
@@ -23,20 +23,6 @@ def device_budget(config, device, free_bytes: Optional[int] = None):
     log.info("--memory-budget %.1f GiB: %.0f%% of the GPU memory free after loading", budget / 2**30,
              100 * DEVICE_BUDGET_FRACTION)
     return dataclasses.replace(config, scheduler=dataclasses.replace(config.scheduler, memory_budget_bytes=budget))
-
-
-STARTUP_TIMEOUT_S = 3600.0     # ranks waiting for rank 0's checkpoint hash at start-up
-
-
-def startup_barrier(ctx, timeout_s: float = STARTUP_TIMEOUT_S) -> None:
-    """Every rank here before any model collective: a gloo barrier on the control group with its own timeout."""
-    import datetime
-
-    import torch.distributed as dist
-
-    if ctx.control_group is None:
-        return
-    dist.monitored_barrier(ctx.control_group, timeout=datetime.timedelta(seconds=timeout_s), wait_all_ranks=True)
 
 
 def memory_estimator(loaded, config, vocab_local: int, tp: int = 1, cp: int = 1,
