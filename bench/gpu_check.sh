@@ -150,13 +150,14 @@ EOF
 step load 240 "$PY" - "$DEVICE" "$DTYPE" "$SHAPE" <<'EOF'
 import sys, time, torch
 from logitserve.hostmem import peak_rss_mib
-from logitserve.server.app import ModelConfig, load
+from logitserve.demo import demo_dir
+from logitserve.loading import load_model
 device, dtype, shape = sys.argv[1:]
-load(ModelConfig(demo_shape=shape, dtype=dtype, device=device))   # builds the demo shape once (not timed)
+directory = demo_dir("causal", shape)                             # builds the demo shape once (not timed)
 if device == "cuda":
     torch.cuda.empty_cache(); torch.cuda.reset_peak_memory_stats()
 t = time.perf_counter()
-loaded = load(ModelConfig(demo_shape=shape, dtype=dtype, device=device))
+loaded = load_model(directory, dtype=dtype, device=device)        # the one loader every layout uses
 seconds = time.perf_counter() - t
 gpu = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else 0.0
 params = sum(p.numel() for p in loaded.model.parameters()) / 1e9
