@@ -137,10 +137,6 @@ class Engine:
             out = self.loaded.body(input_ids=ids[None], position_ids=positions[None], use_cache=False)
         return out.last_hidden_state[0]
 
-    def logits(self, h: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-        """z/T in fp32 for a chunk of rows (Head.logits). h: [c, H] -> [c, V/tp]."""
-        return self.head.logits(h, temperature)
-
     def unit_tokens(self, jobs: list[Job], body: list[Member]) -> list[torch.Tensor]:
         """Each body member's token run; a shared prefix's tokens are the start of the sequence that continues it."""
         tokens = []
