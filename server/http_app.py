@@ -110,24 +110,24 @@ class HttpFrontEnd:
                                                        request.client.host if request.client else "")
             hold = AnswerHold(self.ctx.pipeline.scheduler, client)
             answer.begin(hold)              # the answer's bytes are held from its decoding until sent
+            sent = None                     # the answer that releases the hold itself, once written
             try:
                 body = json_object(await self._body(request))
                 result = await handler(self.ctx, body, client)
-                if isinstance(result, answer.Deferred):
-                    content = await answer.off_loop(result.build)        # never on the shared event loop
-                    return ChunkedJson(content, hold, result.status)      # releases the hold once sent
-                hold.release()
-                return _json(result)
+                if not isinstance(result, answer.Deferred):
+                    return _json(result)
+                content = await answer.off_loop(result.build)        # never on the shared event loop
+                sent = ChunkedJson(content, hold, result.status)
+                return sent
             except Failed as f:
-                hold.release()
                 o = f.outcome
                 return error_response(o.status, o.message, o.field, o.too_large)
-            except BaseException as e:     # noqa: BLE001 (before or outside the pipeline: its status, in one place)
-                hold.release()
-                if not isinstance(e, Exception):
-                    raise
+            except Exception as e:     # noqa: BLE001 (before or outside the pipeline: its status, in one place)
                 code, message = to_status(e)
                 return error_response(code, message, getattr(e, "field", None), isinstance(e, TooLarge))
+            finally:
+                if sent is None:            # answered here, refused, failed or cancelled: nothing more to send
+                    hold.release()
         return post
 
     def _refused(self, request: Request) -> Optional[Response]:
