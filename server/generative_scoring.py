@@ -41,16 +41,21 @@ class GenerativePlan:
     softmax: bool                         # apply_softmax
 
 
+def _in_vocab(ctx: Ctx, ids: np.ndarray, field: str) -> np.ndarray:
+    """ids checked against [0, V) here, so that a refusal names the request's own list, not the joined prompt."""
+    V = ctx.loaded.vocab_size
+    bad = np.flatnonzero((ids < 0) | (ids >= V))
+    if bad.size:
+        raise InvalidRequest(f"{field}[{bad[0]}]", f"{ids[bad[0]]} is outside the vocabulary [0, {V})")
+    return ids
+
+
 def _labels(ctx: Ctx, value: Any) -> np.ndarray:
     """label_token_ids as int32 [c], each in [0, V), repeats dropped (first kept)."""
     if not isinstance(value, list) or not value or not is_id_list(value):
         raise InvalidRequest("label_token_ids", "a non-empty list of token ids is needed")
     ctx.candidate_lists(value, 1, "label_token_ids")          # the count, as gRPC's candidates
-    ids = id_array(value, "label_token_ids")
-    V = ctx.loaded.vocab_size
-    bad = np.flatnonzero((ids < 0) | (ids >= V))
-    if bad.size:
-        raise InvalidRequest(f"label_token_ids[{bad[0]}]", f"{ids[bad[0]]} is outside the vocabulary [0, {V})")
+    ids = _in_vocab(ctx, id_array(value, "label_token_ids"), "label_token_ids")
     return np.asarray(list(dict.fromkeys(ids.tolist())), dtype=np.int32)
 
 
@@ -58,7 +63,7 @@ async def _query(ctx: Ctx, value: Any, special: bool, client: str) -> np.ndarray
     if isinstance(value, str) and value:
         return (await ctx.tokenize([value], special, client, "query"))[0]
     if is_id_list(value) and value:
-        return ctx.ids(value, "query")
+        return _in_vocab(ctx, ctx.ids(value, "query"), "query")
     raise InvalidRequest("query", "a text or a non-empty list of token ids is needed")
 
 
@@ -72,7 +77,7 @@ async def _items(ctx: Ctx, value: Any, client: str) -> tuple:
                 raise InvalidRequest(f"items[{i}]", "an empty text; an item must give at least one token")
         return await ctx.tokenize(value, False, client, "items")
     if all(isinstance(t, list) for t in value):
-        return ctx.id_lists(value, "items")
+        return tuple(_in_vocab(ctx, x, f"items[{i}]") for i, x in enumerate(ctx.id_lists(value, "items")))
     raise InvalidRequest("items", "all texts or all token-id lists, not a mix")
 
 
