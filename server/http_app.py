@@ -26,7 +26,7 @@ from starlette.routing import Route
 
 from logitserve.errors import InvalidRequest, TooLarge
 
-from . import openai_api, sglang_api, trl_api
+from . import generative_scoring, openai_api, reward_api, sglang_api, trl_api
 from . import http_answer as answer
 from .http_answer import AnswerHold
 from .http_common import Ctx, Failed, json_object
@@ -82,6 +82,11 @@ class HttpFrontEnd:
             Route("/get_sequence_logprobs/", post(trl_api.sequence_logprobs), methods=["POST"]),
             Route("/classify", post(trl_api.classify), methods=["POST"]),
             Route("/pooling", post(trl_api.pooling), methods=["POST"]),
+            Route("/get_reward", post(reward_api.get_reward), methods=["POST"]),
+            Route("/v1/embeddings", post(reward_api.embeddings), methods=["POST"]),
+            Route("/score", post(reward_api.score), methods=["POST"]),
+            Route("/v1/score", post(reward_api.score), methods=["POST"]),
+            Route("/generative_scoring", post(generative_scoring.generative_scoring), methods=["POST"]),
             Route("/health", self._health(b"")),
             Route("/health_generate", self._health(b"")),
             Route("/health/", self._health(b'{"status":"ok"}')),

@@ -6,7 +6,8 @@ k+1 where the realized token is outside the top-k (appended, its rank being larg
 gives base64 raw little-endian arrays [B, T, K] padded with -inf / 0, beside the realized
 token's [B, T, 1], as TRL's VLLMClient decodes them. A prompt_length of 0 lists position 0 with
 nothing in it, as TRL's server does. Reward models: vLLM's /classify and /pooling and SGLang's
-/classify (an embedding-shaped answer), each score computed by the engine. No math here.
+/classify (an embedding-shaped answer), each score computed by the engine; verl's reward loop reads
+/classify's data[-1].probs[-1] (older vLLM) or its logits / probabilities (newer). No math here.
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from .http_answer import Deferred, hold_for_answer
 from .http_common import Ctx, b64_array, fields, id_array, is_id_list, new_id
 from .params import Param, ParamTable
 from .requests import Decoded
+from .reward_text import conversations, render_chat
 from .scoring import ScoreSpec, json_entries, rows_of, score_job
 
 SEQUENCE_LOGPROBS = ParamTable(
@@ -123,6 +125,8 @@ def _binary(seqs, per, lead, k: int) -> dict:
 
 CLASSIFY = ParamTable(Param("model", str, "the served model's name"),
                       Param("use_activation", bool, "softmax (sigmoid for one label) of the scores; false: raw"),
+                      Param("activation", bool, "older vLLM's name of use_activation (verl's reward loop sends it)"),
+                      Param("softmax", bool, "older vLLM's name of use_activation"),
                       Param("add_special_tokens", bool, "text inputs: the tokenizer's special tokens (BOS)"))
 
 
@@ -152,7 +156,12 @@ async def _scores(ctx: Ctx, client: str, inputs, special: bool, where: str) -> t
     return seqs, np.stack(out.arrays[OutputKind.SCORES])
 
 
-def _activated(scores: np.ndarray) -> np.ndarray:
+def use_activation(p: dict) -> bool:
+    """vLLM's use_activation, or its older names activation and softmax; on by default."""
+    return next((p[n] for n in ("use_activation", "activation", "softmax") if p.get(n) is not None), True)
+
+
+def activated(scores: np.ndarray) -> np.ndarray:
     s = scores.astype(np.float64)
     if s.shape[1] == 1:
         return 1.0 / (1.0 + np.exp(-s))
@@ -161,16 +170,23 @@ def _activated(scores: np.ndarray) -> np.ndarray:
 
 
 async def classify(ctx: Ctx, body: dict, client: str) -> dict:
-    """POST /classify: vLLM's shape for `input`, SGLang's (an embedding-shaped answer) for `text` / `input_ids`."""
-    if "input" not in body and ("text" in body or "input_ids" in body):
+    """POST /classify: vLLM's shape for `input` or `messages` (each entry with older vLLM's `probs` and newer
+    vLLM's `logits` and `probabilities`), SGLang's (an embedding-shaped answer) for `text` / `input_ids`."""
+    if "input" not in body and "messages" not in body and ("text" in body or "input_ids" in body):
         return await _sglang_classify(ctx, body, client)
     p = fields(body, CLASSIFY)
     ctx.check_model(p.get("model"))
-    seqs, raw = await _scores(ctx, client, body.get("input"), p.get("add_special_tokens", True), "input")
-    values = _activated(raw) if p.get("use_activation", True) else raw.astype(np.float64)
+    inputs, special, where = body.get("input"), p.get("add_special_tokens", True), "input"
+    if body.get("messages") is not None and inputs is None:     # vLLM's chat form: the template places the tokens
+        where, special = "messages", False
+        inputs = await render_chat(ctx, conversations(body["messages"], where), where)
+    seqs, raw = await _scores(ctx, client, inputs, special, where)
+    probs = activated(raw)
+    values = probs if use_activation(p) else raw.astype(np.float64)
     labels = getattr(ctx.loaded.model.config, "id2label", None) or {}
     data = [{"index": i, "label": labels.get(int(np.argmax(v)), f"LABEL_{int(np.argmax(v))}"), "probs": v.tolist(),
-             "num_classes": len(v)} for i, v in enumerate(values)]
+             "num_classes": len(v), "logits": r.astype(np.float64).tolist(), "probabilities": q.tolist()}
+            for i, (v, r, q) in enumerate(zip(values, raw, probs))]
     n = sum(len(x) for x in seqs)
     return {"id": new_id("classify"), "object": "list", "created": int(time.time()), "model": ctx.model_id,
             "data": data, "usage": {"prompt_tokens": n, "total_tokens": n, "completion_tokens": 0,
@@ -182,7 +198,7 @@ async def pooling(ctx: Ctx, body: dict, client: str) -> dict:
     p = fields(body, CLASSIFY)
     ctx.check_model(p.get("model"))
     seqs, raw = await _scores(ctx, client, body.get("input"), p.get("add_special_tokens", True), "input")
-    values = _activated(raw) if p.get("use_activation", True) else raw.astype(np.float64)
+    values = activated(raw) if use_activation(p) else raw.astype(np.float64)
     n = sum(len(x) for x in seqs)
     return {"id": new_id("pooling"), "object": "list", "created": int(time.time()), "model": ctx.model_id,
             "data": [{"index": i, "object": "pooling", "data": v.tolist()} for i, v in enumerate(values)],
