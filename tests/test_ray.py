@@ -17,7 +17,7 @@ from logitserve.ray import RayTeacherConfig
 @pytest.fixture(scope="module")
 def ray_cluster():
     """A head and a second node (raylet) on this machine, one CPU each: one replica fits on each."""
-    ray = pytest.importorskip("ray", reason="the ray extra: pip install 'logitserve[ray]'")
+    import ray          # the ray extra, in the test install
     from ray.cluster_utils import Cluster
 
     t0 = time.monotonic()
@@ -46,20 +46,20 @@ def test_config_bundles_one_per_rank_and_refuses_what_the_launcher_sets():
 
 @pytest.mark.multi_process
 def test_two_replicas_survive_one_killed_and_ray_restarts_it(ray_cluster, tmp_path):
-    from logitserve.ray import launch
+    from logitserve.ray import RayTeachers
 
     ray = ray_cluster
     directory = build_model(tmp_path / "llama", "llama", hidden=32, layers=1)
-    ref = Reference(directory)
-    seqs = random_seqs(np.random.default_rng(7), [6, 19, 33])
-    want = [ref_token_logprobs(ref.logits(s), s) for s in seqs]
     config = RayTeacherConfig(("--model", str(directory), "--device", "cpu", "--threads", "1", "--grace-s", "1"),
                               replicas=2, max_restarts=2, ready_timeout_s=120, stop_grace_s=5)
     t0 = time.monotonic()
-    teachers = launch(config)
+    teachers = RayTeachers(config)                                    # placed; the servers start meanwhile
     try:
-        started = time.monotonic() - t0
+        ref = Reference(directory)
+        seqs = random_seqs(np.random.default_rng(7), [6, 19, 33])
+        want = [ref_token_logprobs(ref.logits(s), s) for s in seqs]
         first = teachers.addresses()
+        started = time.monotonic() - t0
         nodes = [ray.util.placement_group_table(g)["bundles_to_node_id"][0] for g in teachers.groups]
         assert len(set(first)) == 2 and len(set(nodes)) == 2          # one replica per node (one CPU each)
         with TeacherClient(f"ipv4:{first[0]},{first[1]}", streams=4, retries=8) as c:
