@@ -275,9 +275,4 @@ class AsyncTeachers(_Teachers):
         await self.close()
 
 
-def teacher_of(result: RoutedResult, teacher) -> list[int]:
-    """The rows of `result` that `teacher` answered, in input order."""
-    return [i for i, t in enumerate(result.teacher) if t == teacher]
-
-
-__all__ = ["Teachers", "AsyncTeachers", "RoutedResult", "route", "share", "merge", "teacher_of"]
+__all__ = ["Teachers", "AsyncTeachers", "RoutedResult", "route", "share", "merge"]
