@@ -6,7 +6,9 @@ from .api import Detokenized, ModelInfo
 from .assemble import Applied, ForwardResult, ModelIdentity
 from .errors import LogitServeError
 from .sync import TeacherClient
+from .teachers import AsyncTeachers, RoutedResult, Teachers
 from .wire import Wanted
 
 __all__ = ["TeacherClient", "AsyncTeacherClient", "LogitServeError", "ForwardResult", "ModelInfo", "Detokenized",
-           "Applied", "ModelIdentity", "Wanted", "tokenizer_hash"]
+           "Applied", "ModelIdentity", "Wanted", "tokenizer_hash",
+           "Teachers", "AsyncTeachers", "RoutedResult"]

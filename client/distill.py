@@ -22,6 +22,8 @@ chunk by chunk, or on served full logits.
 """
 from __future__ import annotations
 
+import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -211,3 +213,62 @@ def full_kd_loss(student_logits: torch.Tensor, teacher: torch.Tensor, *, head=No
     if values:
         per_token = per_token.index_copy(0, rows, torch.cat(values))
     return _reduce(per_token.reshape(B, L), mask, reduction)
+
+
+def _check_weights(names, weights: Mapping) -> dict:
+    """Weights for exactly these teachers, finite and >= 0, not all 0; ValueError naming the teacher otherwise."""
+    names, given = set(names), set(weights)
+    if names != given:
+        raise ValueError(f"weights: teachers {sorted(map(str, names))} need one weight each, got "
+                         f"{sorted(map(str, given))}")
+    for t, w in weights.items():
+        if not (math.isfinite(float(w)) and float(w) >= 0.0):
+            raise ValueError(f"weights[{t!r}]={w}: must be finite and >= 0")
+    if not any(float(w) > 0 for w in weights.values()):
+        raise ValueError("weights: at least one must be > 0")
+    return {t: float(w) for t, w in weights.items()}
+
+
+def mixture_loss(losses: Mapping, weights: Mapping) -> torch.Tensor:
+    """sum_t w_t * loss_t over teachers (a mapping id -> scalar loss, any of kd_loss, full_kd_loss or gold_loss, so
+    teachers with another vocabulary join through the cross-tokenizer alignment). With forward KL on full
+    distributions and weights summing to 1 its gradient is that of KL(sum_t w_t p_t || student): the two differ
+    by a constant (docs/distillation.md, "Several teachers")."""
+    w = _check_weights(losses, weights)
+    return torch.stack([w[t] * loss for t, loss in losses.items()]).sum()
+
+
+def routed_batches(result, length: Optional[int] = None, device=None) -> dict:
+    """Teacher id -> TeacherBatch [B, L, k] over all B rows of a RoutedResult (logitserve.client.Teachers'
+    forward with top-k), each masked to the rows its teacher answered."""
+    B = len(result.teacher)
+    L = length or max(len(v) for v in result.topk_values)
+    out = {}
+    for t in dict.fromkeys(result.teacher):
+        mine = [r == t for r in result.teacher]
+        k = next(v.shape[-1] for v, m in zip(result.topk_values, mine) if m)
+        empty = np.zeros((0, k), np.float32)
+        pick = lambda a, i: a[i] if mine[i] else empty                                   # noqa: E731
+        tail = None if result.topk_tail is None else \
+            [result.topk_tail[i] if mine[i] else np.zeros(0, np.float32) for i in range(B)]
+        out[t] = TeacherBatch.from_arrays([pick(result.topk_values, i) for i in range(B)],
+                                          [pick(result.topk_ids, i).astype(np.int64) for i in range(B)], tail, L, device)
+    return out
+
+
+def mixture_kd_loss(student_logits: torch.Tensor, batches: Mapping, weights: Mapping, *, reduction: str = "token",
+                    **kd) -> torch.Tensor:
+    """Several same-vocabulary teachers' top-k on one student: per token sum_t w_t * m_t * kd_t over the teachers
+    whose mask m_t covers it (rows routed to one teacher, or ensembles answering the same rows), then reduced
+    over the tokens any teacher covers. batches: id -> TeacherBatch [B, L, k_t] (e.g. from `routed_batches`);
+    `kd`: kd_loss's options (kl, tail, mixed_weight, log_infinitesimal) for every teacher."""
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction={reduction!r}: choose from {REDUCTIONS}")
+    w = _check_weights(batches, weights)
+    total, covered = None, None
+    for t, b in batches.items():
+        per_token = kd_loss(student_logits, b.values, b.ids, teacher_tail=b.tail, mask=b.mask, reduction="none",
+                            **kd)                                                       # [B, L], 0 where unmasked
+        total = w[t] * per_token if total is None else total + w[t] * per_token
+        covered = b.mask.bool() if covered is None else covered | b.mask.bool()
+    return _reduce(total, covered, reduction)
