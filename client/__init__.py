@@ -4,9 +4,13 @@ from logitserve.tokens import tokenizer_hash
 from .aio import AsyncTeacherClient
 from .api import Detokenized, ModelInfo
 from .assemble import Applied, ForwardResult, ModelIdentity
-from .errors import LogitServeError
+from .pool import AsyncTeacherPool
+from .pool_sync import TeacherPool
+from .routing import Routing
+from .errors import LogitServeError, ReplicasDisagree
 from .sync import TeacherClient
 from .wire import Wanted
 
-__all__ = ["TeacherClient", "AsyncTeacherClient", "LogitServeError", "ForwardResult", "ModelInfo", "Detokenized",
+__all__ = ["TeacherClient", "AsyncTeacherClient", "TeacherPool", "AsyncTeacherPool", "Routing", "LogitServeError",
+           "ReplicasDisagree", "ForwardResult", "ModelInfo", "Detokenized",
            "Applied", "ModelIdentity", "Wanted", "tokenizer_hash"]
