@@ -132,9 +132,12 @@ class AsyncTeacherPool(OutputsMixin):
         self._start()
         if self._dns:
             await self._wait(lambda: bool(self._replicas), timeout_s, "no address resolved")
+        deadline = time.monotonic() + timeout_s
         infos = await asyncio.gather(*(r.client.wait_ready(timeout_s) for r in self._replicas.values()))
         await self.check_agreement()
-        await self._wait(lambda: any(r.routable for r in self._replicas.values()), timeout_s, "none routable")
+        # every replica, as its Watch stream reports SERVING and its ModelInfo is admitted
+        await self._wait(lambda: all(r.routable for r in self._replicas.values()),
+                         max(0.1, deadline - time.monotonic()), "waiting for every replica's Watch stream")
         return infos[0]
 
     async def check_agreement(self, probe: Optional[Sequence[int]] = None, atol: Optional[float] = None,
@@ -178,7 +181,7 @@ class AsyncTeacherPool(OutputsMixin):
             if left <= 0:
                 states = "; ".join(r.describe() for r in self._replicas.values()) or "no replica"
                 raise LogitServeError(grpc.StatusCode.UNAVAILABLE,
-                                      f"no replica is serving after {timeout_s:g} s ({what}): {states}")
+                                      f"replicas not ready after {timeout_s:g} s ({what}): {states}")
             try:
                 await asyncio.wait_for(asyncio.shield(self._changed.wait()), left)
             except asyncio.TimeoutError:
