@@ -236,3 +236,83 @@ def test_a_draining_replica_is_taken_out_by_watch_and_a_new_one_on_its_port_come
             assert tokens_served(back) - before == len(seq)
         finally:
             back.stop()
+
+
+# ---- HTTP: N replicas behind SGLang's router
+
+
+def _get(url: str) -> tuple[int, object]:
+    import json
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(url, timeout=10) as r:
+            return r.status, json.loads(r.read() or b"null")
+    except urllib.error.HTTPError as e:
+        return e.code, None
+    except OSError:
+        return 0, None
+
+
+def _wait_healthy(base: str, n: int, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        status, body = _get(base + "/readiness")
+        if status == 200 and body.get("healthy_workers") == n:
+            return
+        assert time.monotonic() < deadline, (status, body)
+        time.sleep(0.1)
+
+
+@pytest.mark.multi_process
+def test_sglang_router_in_front_of_two_http_replicas_routes_health_checks_and_drains(tmp_path):
+    """sglang-router (the Rust router SGLang and vLLM fleets use) registers both replicas through their /health,
+    /get_model_info and /v1/models, spreads requests over them, and takes a draining one (/health 503) out."""
+    import socket
+    import subprocess
+    import sys
+
+    from helpers import Reference, post
+    from logitserve.demo import demo_tokenizer
+
+    directory = build_model(tmp_path / "tok", "llama")
+    demo_tokenizer(VOCAB).save_pretrained(directory)          # text prompts: the router forwards no token ids
+    a, b = serve_dir(directory, http_port=0), serve_dir(directory, http_port=0)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    router = subprocess.Popen([sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port",
+                               str(port), "--policy", "round_robin", "--health-check-interval-secs", "1",
+                               "--log-level", "warn", "--worker-urls",
+                               *(f"http://127.0.0.1:{x.running.http_port}" for x in (a, b))],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    base, ref = f"http://127.0.0.1:{port}", Reference(directory)
+    try:
+        _wait_healthy(base, 2)
+        assert _get(base + "/v1/models")[0] == 200 and _get(base + "/get_model_info")[1]["model_path"] == "tok"
+        before = (tokens_served(a), tokens_served(b))
+        for i in range(6):
+            ids = [1] + [5 + i + j for j in range(20)]               # "<s> t5 t6 ...": the tokenizer's ids
+            status, out = post(base, "/v1/completions", {"model": "tok", "prompt": " ".join(f"t{x}" for x in ids[1:]),
+                                                         "max_tokens": 0, "prompt_logprobs": 1})
+            assert status == 200, out
+            plp = out["choices"][0]["prompt_logprobs"]
+            want = ref_token_logprobs(ref.logits(ids), ids)
+            np.testing.assert_allclose([plp[t][str(ids[t])]["logprob"] for t in range(1, len(ids))], want[1:],
+                                       atol=PACKED_ATOL)
+        assert tokens_served(a) > before[0] and tokens_served(b) > before[1]       # both replicas served
+        drain = asyncio.run_coroutine_threadsafe(a.running.stop(2.0), a.loop)       # what SIGTERM starts
+        drain.result(30)
+        _wait_healthy(base, 1)
+        for i in range(3):
+            status, out = post(base, "/v1/completions", {"model": "tok", "prompt": "t7 t8 t9", "max_tokens": 0,
+                                                         "prompt_logprobs": 1})
+            assert status == 200, out
+    finally:
+        router.terminate()
+        router.wait(10)
+        if a.thread.is_alive():
+            a.loop.call_soon_threadsafe(a.loop.stop)
+            a.thread.join()
+        b.stop()
