@@ -4,10 +4,10 @@ from logitserve.tokens import tokenizer_hash
 from .aio import AsyncTeacherClient
 from .api import Detokenized, ModelInfo
 from .assemble import Applied, ForwardResult, ModelIdentity
+from .errors import LogitServeError, ReplicasDisagree
 from .pool import AsyncTeacherPool
 from .pool_sync import TeacherPool
 from .routing import Routing
-from .errors import LogitServeError, ReplicasDisagree
 from .sync import TeacherClient
 from .wire import Wanted
 

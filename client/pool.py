@@ -38,9 +38,8 @@ class AsyncTeacherPool(OutputsMixin):
         if not entries or retries < 0 or ready_timeout_s <= 0 or resolve_every_s <= 0:
             raise ValueError(f"addresses={entries!r} must name a replica, retries={retries} be >= 0, "
                              f"ready_timeout_s={ready_timeout_s} and resolve_every_s={resolve_every_s} > 0")
-        for name in ("retries", "load_balancing"):
-            if name in client_options:
-                raise ValueError(f"{name}: the pool resends and balances itself; set the pool's own arguments")
+        if "load_balancing" in client_options:
+            raise ValueError("load_balancing: the pool balances over its replicas itself (see Routing)")
         self._dns = [t for t in (dns_target(e) for e in entries) if t is not None]
         self._literal = [e for e in entries if dns_target(e) is None]
         self._options = dict(client_options, retries=0, default_timeout_s=default_timeout_s)
