@@ -171,16 +171,22 @@ class AsyncTeacherClient(OutputsMixin):
 
     async def submit(self, seqs: Sequence, wanted: Wanted, bf16_as_torch: bool = False):
         """Send one request and wait for its ForwardResult; UNAVAILABLE before any data: sent again."""
+        return await resending(lambda _attempt: self.send_once(seqs, wanted, bf16_as_torch), self._retries)
+
+    async def send_once(self, seqs: Sequence, wanted: Wanted, bf16_as_torch: bool = False):
+        """One try of `submit`: its ForwardResult, or Resendable where UNAVAILABLE came before any data."""
         if wanted.timeout_s is None and self._default_timeout is not None:
             wanted = dataclasses.replace(wanted, timeout_s=self._default_timeout)
-        for attempt in itertools.count():
-            slot = next(self._turn) % len(self._streams)
-            try:
-                return await self._submit_once(slot, seqs, wanted, bf16_as_torch)
-            except _Retryable as e:
-                if attempt >= self._retries:
-                    raise e.error from None
-                await asyncio.sleep(min(2.0, 0.1 * 2 ** attempt))
+        return await self._submit_once(next(self._turn) % len(self._streams), seqs, wanted, bf16_as_torch)
+
+    @property
+    def channel(self) -> grpc.aio.Channel:
+        """The replica's channel (a TeacherPool watches its health on it)."""
+        return self._channel
+
+    @property
+    def metadata(self):
+        return self._metadata
 
     async def _submit_once(self, slot: int, seqs: Sequence, wanted: Wanted, bf16_as_torch: bool):
         rid = f"r{next(self._ids)}"
@@ -198,7 +204,7 @@ class AsyncTeacherClient(OutputsMixin):
             self._retire(slot, stream)
             error = _stream_error(e) if isinstance(e, grpc.RpcError) else \
                 LogitServeError(grpc.StatusCode.UNAVAILABLE, "stream closed")
-            raise _Retryable(error) if error.code == grpc.StatusCode.UNAVAILABLE else error from None
+            raise Resendable(error) if error.code == grpc.StatusCode.UNAVAILABLE else error from None
         except asyncio.CancelledError:
             stream.pending.pop(rid, None)
             send.add_done_callback(lambda t: t.exception() is None and asyncio.ensure_future(self._cancel(stream, rid)))
@@ -211,7 +217,7 @@ class AsyncTeacherClient(OutputsMixin):
         except LogitServeError as e:
             if e.code == grpc.StatusCode.UNAVAILABLE and assembly.received == 0:
                 self._retire(slot, stream)       # a draining or lost replica: the next try opens a new stream
-                raise _Retryable(e) from None
+                raise Resendable(e) from None
             raise
         finally:
             stream.pending.pop(rid, None)
@@ -295,9 +301,22 @@ def _stream_error(e: grpc.RpcError) -> LogitServeError:
     return error
 
 
-class _Retryable(Exception):
+class Resendable(Exception):
     """A request's UNAVAILABLE before any of its data arrived: safe to send again (outputs are pure)."""
 
     def __init__(self, error: LogitServeError):
         super().__init__(str(error))
         self.error = error
+
+
+async def resending(send, retries: int):
+    """`await send(attempt)` for attempt 0, 1, ... until it returns or raises anything but Resendable; after
+    `retries` resends the last Resendable's error. The one resend loop: AsyncTeacherClient resends on a fresh
+    stream of its channel, TeacherPool on another replica."""
+    for attempt in itertools.count():
+        try:
+            return await send(attempt)
+        except Resendable as e:
+            if attempt >= retries:
+                raise e.error from None
+            await asyncio.sleep(min(2.0, 0.1 * 2 ** attempt))

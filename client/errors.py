@@ -21,3 +21,13 @@ class LogitServeError(Exception):
     @classmethod
     def from_rpc(cls, err: grpc.RpcError) -> "LogitServeError":
         return cls(err.code(), err.details() or "")
+
+
+class ReplicasDisagree(LogitServeError):
+    """A TeacherPool's replicas serve different models: `.hashes` maps each address to its content hash."""
+
+    def __init__(self, hashes: dict[str, str], names: dict[str, str]):
+        listed = "; ".join(f"{a}: {names.get(a, '?')} content_hash {h}" for a, h in sorted(hashes.items()))
+        super().__init__(grpc.StatusCode.FAILED_PRECONDITION,
+                         f"replicas serve different models (every replica must serve the same weights): {listed}")
+        self.hashes = dict(hashes)

@@ -14,6 +14,8 @@ from .wire import Wanted
 class TeacherClient(OutputsMixin):
     """`with TeacherClient("host:port") as c: lp = c.logprobs([[1, 2, 3]])`; thread-safe."""
 
+    _async_class = AsyncTeacherClient     # what this class drives (TeacherPool: an AsyncTeacherPool)
+
     def __init__(self, address: str, wait_ready: float | None = None, **options):
         """`options` as AsyncTeacherClient's; `wait_ready`: wait up to this many seconds for the server to finish
         starting (see `wait_ready()`) before returning."""
@@ -22,7 +24,7 @@ class TeacherClient(OutputsMixin):
         self._thread.start()
 
         async def make() -> AsyncTeacherClient:
-            return AsyncTeacherClient(address, **options)
+            return self._async_class(address, **options)
         self._aio = self._run(make())
         if wait_ready is not None:
             try:

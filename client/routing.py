@@ -1,0 +1,107 @@
+"""Which replica serves a sequence: rendezvous hashing of its group's key, least-in-flight past a load gap."""
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Mapping, Optional, Sequence, Union
+
+import numpy as np
+
+# What a server shares by default (`logitserve serve --min-shared-prefix`): the key's length when neither the
+# server's ModelInfo nor the caller says.
+DEFAULT_PREFIX_TOKENS = 64
+
+
+@dataclass(frozen=True)
+class Routing:
+    """How a TeacherPool picks a replica (see docs/clients.md, "Several replicas")."""
+
+    # Leading tokens that make a sequence's group key. None: the server's --min-shared-prefix from ModelInfo
+    # (DEFAULT_PREFIX_TOKENS where it reports 0, as under --batching exact). A sequence shorter than this
+    # shares no prefix the server would reuse, so it goes to the least-loaded replica.
+    prefix_tokens: Optional[int] = None
+    # A text's key: its first prefix_tokens * chars_per_token characters (the client cannot tokenize).
+    chars_per_token: int = 4
+    # The hashed replica is passed over for the least-loaded one only when its in-flight sequences exceed the
+    # least-loaded's by more than balance_abs AND by a factor over balance_rel: SGLang's and vLLM's routers'
+    # cache-aware defaults (64, 1.5), so affinity holds through the imbalance that hashing whole groups makes.
+    balance_abs: int = 64
+    balance_rel: float = 1.5
+
+    def __post_init__(self):
+        if self.prefix_tokens is not None and self.prefix_tokens < 1:
+            raise ValueError(f"prefix_tokens={self.prefix_tokens} must be >= 1 (or None: the server's)")
+        if self.chars_per_token < 1 or self.balance_abs < 0 or self.balance_rel < 1.0:
+            raise ValueError(f"chars_per_token={self.chars_per_token} must be >= 1, balance_abs={self.balance_abs} "
+                             f">= 0 and balance_rel={self.balance_rel} >= 1.0")
+
+
+Key = Optional[bytes]
+
+
+def group_key(group: Union[str, bytes, int]) -> bytes:
+    """An explicit group key (a prompt id, a uid) as the bytes that are hashed."""
+    if isinstance(group, bytes):
+        return b"g" + group
+    if isinstance(group, (str, int)):
+        return b"g" + str(group).encode()
+    raise TypeError(f"group={group!r}: give a str, bytes or int key")
+
+
+def prefix_key(seq, prefix_tokens: int, chars_per_token: int = 4) -> Key:
+    """The key of a sequence's first `prefix_tokens` tokens (a text's first prefix_tokens * chars_per_token
+    characters); None when it is shorter: nothing of it would be shared."""
+    if isinstance(seq, str):
+        n = prefix_tokens * chars_per_token
+        return b"s" + seq[:n].encode() if len(seq) >= n else None
+    ids = np.asarray(seq)
+    if ids.ndim != 1 or len(ids) < prefix_tokens:
+        return None
+    # int64 little-endian whatever the caller's dtype: the same tokens give the same key in every process
+    return b"t" + np.ascontiguousarray(ids[:prefix_tokens], dtype="<i8").tobytes()
+
+
+def _score(key: bytes, name: str) -> int:
+    return int.from_bytes(hashlib.blake2b(key + b"|" + name.encode(), digest_size=8).digest(), "little")
+
+
+def rendezvous(key: bytes, names: Sequence[str]) -> str:
+    """The name that `key` hashes to (highest random weight): when a name leaves, only its keys move; when one
+    joins, it takes about 1/N of every other name's keys. Deterministic across processes."""
+    return max(names, key=lambda n: (_score(key, n), n))
+
+
+def least_loaded(loads: Mapping[str, int]) -> str:
+    return min(loads, key=lambda n: (loads[n], n))
+
+
+def overloaded(chosen: int, least: int, rule: Routing) -> bool:
+    """The hashed replica's load is past both bounds of the least-loaded one's."""
+    return chosen - least > rule.balance_abs and chosen > rule.balance_rel * least
+
+
+def choose(key: Key, loads: Mapping[str, int], rule: Routing) -> str:
+    """The replica for a key: its hashed one unless overloaded (then the least-loaded); no key: least-loaded.
+    `loads`: in-flight sequences of every routable replica (non-empty)."""
+    least = least_loaded(loads)
+    if key is None:
+        return least
+    hashed = rendezvous(key, sorted(loads))
+    return least if overloaded(loads[hashed], loads[least], rule) else hashed
+
+
+def plan(keys: Sequence[Key], loads: Mapping[str, int], rule: Routing) -> dict[str, list[int]]:
+    """Sequence indices per replica for one request: every sequence of a key to one replica, chosen as the
+    load stands with this request's earlier sequences counted."""
+    loads = dict(loads)
+    by_key: dict[bytes, str] = {}
+    parts: dict[str, list[int]] = {}
+    for i, key in enumerate(keys):
+        name = by_key.get(key) if key is not None else None
+        if name is None:
+            name = choose(key, loads, rule)
+            if key is not None:
+                by_key[key] = name
+        parts.setdefault(name, []).append(i)
+        loads[name] += 1
+    return parts
