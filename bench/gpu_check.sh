@@ -53,10 +53,13 @@ skip() {     # name why
 }
 
 if [ "$DRY" = 1 ]; then
-  WHEELS=.whl-dry DEVICE=cpu DTYPE=fp32 SHAPE=demo REPEATS=1 WORKLOADS=4x64
+  # the dry run proves each step still runs, at the smallest size: one equality test (the suite runs them all),
+  # the reward group shape only
+  WHEELS=.whl-dry DEVICE=cpu DTYPE=fp32 SHAPE=demo REPEATS=1 WORKLOADS=4x64 EQUALITY="every_output" GROUP_SHAPES=reward
   rm -rf "$WHEELS"; bash bench/gpu_wheels.sh "$WHEELS" here    # fresh: a stale logitserve wheel tests old code
 else
-  WHEELS=.whl DEVICE=cuda DTYPE=bf16 SHAPE=1b REPEATS=3 WORKLOADS=8x512,64x64
+  WHEELS=.whl DEVICE=cuda DTYPE=bf16 SHAPE=1b REPEATS=3 WORKLOADS=8x512,64x64 EQUALITY="every_output or filters or http"
+  GROUP_SHAPES=chat,reward
 fi
 SITE=$(mktemp -d)/site
 if ls "$WHEELS"/*.whl > /dev/null 2>&1; then
@@ -90,7 +93,7 @@ LAYOUTS=1x1
 [ "$NGPU" -ge 4 ] && LAYOUTS=1x1,2x1,1x2,2x2,1x1x2,2x1x2
 
 step equality 300 env LOGITSERVE_TEST_DEVICE="$DEVICE" LOGITSERVE_TEST_LAYOUTS=1x1 \
-  "$PY" -m pytest -q -ra -p no:cacheprovider tests/test_parallel_serving.py -k "every_output or filters or http"
+  "$PY" -m pytest -q -ra -p no:cacheprovider tests/test_parallel_serving.py -k "$EQUALITY"
 if [ "$NGPU" -ge 2 ]; then
   step nccl 300 env LOGITSERVE_TEST_DEVICE=cuda LOGITSERVE_TEST_LAYOUTS="$LAYOUTS" \
     "$PY" -m pytest -q -ra -p no:cacheprovider tests/test_parallel_serving.py -k "every_output and not tp1-cp1-pp1"
@@ -168,7 +171,7 @@ EOF
 step throughput 300 "$PY" bench/batching.py --device "$DEVICE" --dtype "$DTYPE" --shapes "$SHAPE" \
   --workloads "$WORKLOADS" --repeats "$REPEATS"
 step groups 300 "$PY" bench/groups.py --device "$DEVICE" --dtype "$DTYPE" --model-shape "$SHAPE" \
-  --shapes chat,reward --repeats "$REPEATS"
+  --shapes "$GROUP_SHAPES" --repeats "$REPEATS"
 
 "$PY" - "$STEPS" "$DIR/gpu_check.json" "$DRY" <<'EOF'
 import json, sys
