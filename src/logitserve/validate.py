@@ -73,10 +73,7 @@ def _check_kind(job: Job, kind: ModelKind) -> None:
 
 def resolve_job(job: Job, limits: ModelLimits) -> Job:
     """The job with the server's defaults filled in (step scores' separators: --step-separator), validated."""
-    if job.step_scores is not None and not job.step_scores.separators:
-        if not limits.step_separator:
-            raise InvalidRequest("step_scores.separator_ids", "no separator id given and the server has no "
-                                                              "--step-separator: name the token that ends a step")
+    if job.step_scores is not None and not job.step_scores.separators and limits.step_separator:
         job = dataclasses.replace(job, step_scores=StepOpts(tuple(limits.step_separator)))
     validate_job(job, limits)
     return job
@@ -159,6 +156,9 @@ def check_listed(field: str, count: int) -> None:
 
 def _check_steps(job: Job, V: int) -> None:
     seps = job.step_scores.separators
+    if not seps:
+        raise InvalidRequest("step_scores.separator_ids", "no separator id given and the server has no "
+                                                          "--step-separator: name the token that ends a step")
     check_listed("step_scores.separator_ids", len(seps))
     for j, x in enumerate(seps):
         if not 0 <= x < V:
