@@ -75,24 +75,27 @@ def test_token_and_step_scores_match_reference(prm):
 
 
 def test_step_scores_of_a_group_sharing_a_prompt_equal_the_reference(prm):
-    """RL groups: G responses to one prompt share its body (the prompt holds no separator), each step read after it;
-    a member whose prompt holds a separator caps the shared part before it."""
+    """RL groups: G responses to one prompt share its body, each step read after it; a separator inside the prompt
+    caps the shared part before it; token scores read every row, so nothing is shared."""
     _, server, ref = prm
     rng = np.random.default_rng(32)
     prompt = rng.integers(10, V, 90)
     seqs = [np.concatenate([prompt, s]) for s in _with_steps(rng, [12, 30, 7])]
-    early = seqs[0].copy()
-    early[70] = SEP
+    marked = [s.copy() for s in seqs]
+    for s in marked:
+        s[70] = SEP                   # a separator inside the prompt they share: the shared part stops before it
     with TeacherClient(server.address) as c:
         r = c.forward(seqs, step_scores=True)
-        mixed = c.forward(seqs[1:] + [early], step_scores=True, token_scores=True)
-    assert r.shared_prefix_tokens > 0
+        mixed = c.forward(marked, step_scores=True)
+        tokens = c.forward(seqs, token_scores=True)                   # every row read: nothing to share
+    assert r.shared_prefix_tokens >= 2 * 90 and 0 < mixed.shared_prefix_tokens <= 2 * 70
+    assert tokens.shared_prefix_tokens == 0
     for seq, got in zip(seqs, r.step_scores):
         assert_close(got, _ref_token_scores(ref, seq)[np.flatnonzero(seq == SEP)])
-    for seq, steps, tokens in zip(seqs[1:] + [early], mixed.step_scores, mixed.token_scores):
-        want = _ref_token_scores(ref, seq)
-        assert_close(steps, want[np.flatnonzero(seq == SEP)])
-        assert_close(tokens, want)
+    for seq, got in zip(marked, mixed.step_scores):
+        assert_close(got, _ref_token_scores(ref, seq)[np.flatnonzero(seq == SEP)])
+    for seq, got in zip(seqs, tokens.token_scores):
+        assert_close(got, _ref_token_scores(ref, seq))
 
 
 def test_reward_tokens_match_reference(judge):
