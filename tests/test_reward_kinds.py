@@ -121,7 +121,7 @@ def test_reward_tokens_match_reference(judge):
 
 
 def test_bad_reward_requests_name_the_field_and_the_server_keeps_serving(prm, judge, reward_dirs):
-    _, server, _ = prm
+    directory, server, _ = prm
     judge_server, _ = judge
     cases = [   # (server, call, field and bound the message names)
         (server, lambda c: c.step_scores([[1, 2, SEP], [3, 4, 5]]), ["step_scores.separator_ids", "sequences[1]"]),
@@ -150,10 +150,43 @@ def test_bad_reward_requests_name_the_field_and_the_server_keeps_serving(prm, ju
                     call()
                 assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT and field in e.value.details
                 assert "token-classification" in e.value.details
-            with pytest.raises(LogitServeError) as e:   # no --step-separator and none named
-                c.step_scores([[1, 2]])
     finally:
         plain.stop()
+    bare = serve_dir(directory)                          # no --step-separator, and the request names none
+    try:
+        with TeacherClient(bare.address) as c, pytest.raises(LogitServeError) as e:
+            c.step_scores([[1, SEP]])
+        assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT
+        assert "step_scores.separator_ids" in e.value.details and "--step-separator" in e.value.details
+    finally:
+        bare.stop()
     with TeacherClient(server.address) as c, TeacherClient(judge_server.address) as j:
         assert c.step_scores([[1, SEP, 2, SEP]])[0].shape == (2, 2)
         assert j.reward_tokens([[1, 2, 3]], [5])[0].shape == (1, 1)
+
+
+def test_demo_prm_serves_step_scores_at_a_separator_named_by_its_token(tmp_path):
+    """`--demo prm` with `--step-separator t3` (the demo tokenizer's entry for id 3); a separator that is no entry, or
+    one given to a causal LM, stops the start naming the flag."""
+    from logitserve.demo import export_demo
+    from logitserve.loaded import with_step_separator
+    from logitserve.loading import load_model
+
+    directory = export_demo(tmp_path / "prm", "prm")
+    loaded = load_model(directory)
+    with pytest.raises(ValueError, match=r"--step-separator 'no-such-token' is no entry"):
+        with_step_separator(loaded, "no-such-token")
+    with pytest.raises(ValueError, match=r"--step-separator '3': .* is not a token-classification model"):
+        with_step_separator(load_model(export_demo(tmp_path / "causal", "causal")), "3")
+    assert with_step_separator(loaded, "t3").step_separator == (3,)
+    server = serve_dir(directory, step_separator="t3")
+    try:
+        with TeacherClient(server.address) as c:
+            info = c.model_info()
+            got = c.forward(["t9 t3 t17 t40 t3"], step_scores=True)
+    finally:
+        server.stop()
+    assert info.kind == "token_reward" and info.num_labels == 2
+    ids = got.input_ids[0]                                  # BOS, then one token a word
+    assert ids.tolist() == [1, 9, 3, 17, 40, 3]
+    assert_close(got.step_scores[0], _ref_token_scores(Reference(directory), ids)[[2, 5]])
