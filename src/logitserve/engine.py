@@ -234,7 +234,7 @@ class Engine:
         if opening is not None:
             yield opening
         if self.loaded.kind is not ModelKind.CAUSAL_LM:   # reward models: every job wants the classifier's outputs
-            yield self._score_step(run, body, h, runs)
+            yield self._classifier_step(run, body, h, runs)
             return
         cands = {j: self._cands(jobs[j], [m.sequence for m in members if m.job == j])
                  for j in dict.fromkeys(m.job for m in members)}
@@ -266,7 +266,7 @@ class Engine:
         jobs = tuple(dict.fromkeys([j for j, _ in shared] + [m.job for m in spanless]))
         return Step(jobs, tuple(events)) if jobs else None
 
-    def _score_step(self, run: BatchRun, body: list[Member], h: torch.Tensor, runs: list[RowRun]) -> Step:
+    def _classifier_step(self, run: BatchRun, body: list[Member], h: torch.Tensor, runs: list[RowRun]) -> Step:
         """A reward model's head outputs (scores, token and step scores) at the positions this rank's rows hold,
         emitted by its TP rank 0 (logitserve.classify): one Step on every rank."""
         events = classifier_pieces(run.jobs, body, h, runs, self.loaded.head) if self.head_shard.emits_replicated \

@@ -3,7 +3,8 @@
 Every output is a run of rows of the block (`reductions.BlockReductions`) placed at its
 offset in the sequence's output: token logprobs and ranks (row t holds the target t + 1,
 row 0 of a sequence is 0), top-k values, ids and tail, candidates, hidden states, and each
-segment's full-logits rectangle. A segment of no rows (nothing to predict) gets every
+segment's full-logits rectangle, and the reward-token rows at the positions a segment holds
+(absolute rows, in the request's order). A segment of no rows (nothing to predict) gets every
 token output it asks for with zero rows, through the same code.
 """
 from __future__ import annotations

@@ -3,7 +3,7 @@
 A block is `[R, V/tp]` rows of z/T in fp32 (a view into the engine's reused buffer, or
 a gathered copy) of one job, made of consecutive segments, each a run of rows of one
 sequence. `reduce_block` reads the block for everything that needs the logits themselves
-(full-logits rectangles, targets, ranks, filters, top-k, candidates) and only then takes
+(full-logits rectangles, targets, ranks, filters, top-k, candidates, reward tokens) and only then takes
 the log-sum-exp in place, consuming the block, so it allocates nothing of size [R, V]
 beyond what a filter needs. What it returns is all the outputs need: `outputs.cut` turns
 it into pieces without the logits.
