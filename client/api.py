@@ -12,7 +12,7 @@ class ModelInfo:
     name: str
     content_hash: str
     architecture: str
-    kind: str                 # "causal_lm" | "reward"
+    kind: str                 # "causal_lm" | "reward" | "token_reward"
     vocab_size: int
     max_sequence_length: int
     dtype: str
@@ -49,7 +49,9 @@ class OutputsMixin:
                 scores: bool = False, bf16_as_torch: bool = False, timeout_s: Optional[float] = None,
                 add_special_tokens: Optional[bool] = None, prompt_lengths: Optional[Sequence[int]] = None,
                 token_ranks: bool = False, hidden_states: bool = False, hidden_dtype: str = "fp32",
-                input_offsets: bool = False):
+                input_offsets: bool = False, token_scores: bool = False, step_scores: bool = False,
+                step_separators: Optional[Sequence[int]] = None, reward_token_ids: Optional[Sequence[int]] = None,
+                reward_logits: bool = False, reward_positions: Optional[Sequence[int]] = None):
         """Several outputs of one forward pass, as a ForwardResult.
 
         `seqs` holds token-id sequences, or texts (str) for the server to tokenize with the model's
@@ -59,7 +61,9 @@ class OutputsMixin:
         [L_i - P_i] rows whose row j predicts token P_i + j, lined up with a student's response tokens.
         `hidden_states`: the lm_head's input over those rows ([L, H] or [L - P, H], fp32 or bf16 on the wire);
         `teacher.head()` turns them into exactly the served logits. `input_offsets` (texts): [L, 2] UTF-8 byte
-        spans of the server's tokens, for `logitserve.client.align`.
+        spans of the server's tokens, for `logitserve.client.align`. Reward models: `scores`, `token_scores`,
+        `step_scores` (see the methods of those names); causal LMs as reward models: `reward_token_ids` (see
+        `reward_tokens`).
         """
         w = Wanted(temperature=temperature, logprobs=logprobs, top_k=top_k, top_p=top_p, topk=topk,
                    topk_as_logprobs=topk_as_logprobs, topk_dtype=topk_dtype, topk_tail=topk_tail,
@@ -67,7 +71,9 @@ class OutputsMixin:
                    full_logits=full_logits, seq_range=seq_range, vocab_range=vocab_range,
                    logits_dtype=logits_dtype, scores=scores, timeout_s=timeout_s,
                    add_special_tokens=add_special_tokens, prompt_lengths=prompt_lengths, token_ranks=token_ranks,
-                   hidden_states=hidden_states, hidden_dtype=hidden_dtype, input_offsets=input_offsets)
+                   hidden_states=hidden_states, hidden_dtype=hidden_dtype, input_offsets=input_offsets,
+                   token_scores=token_scores, step_scores=step_scores, step_separators=step_separators,
+                   reward_token_ids=reward_token_ids, reward_logits=reward_logits, reward_positions=reward_positions)
         return self._request(seqs, w, lambda r: r, bf16_as_torch)
 
     def hidden_states(self, seqs: Sequence, dtype: str = "fp32", prompt_lengths: Optional[Sequence[int]] = None):
@@ -110,6 +116,26 @@ class OutputsMixin:
         """A reward model's head at the last token: per sequence [num_labels] fp32."""
         return self._request(seqs, Wanted(scores=True), lambda r: r.scores)
 
+    def token_scores(self, seqs: Sequence):
+        """A token-classification model's head at every position: per sequence [L, num_labels] fp32 (no softmax)."""
+        return self._request(seqs, Wanted(token_scores=True), lambda r: r.token_scores)
+
+    def step_scores(self, seqs: Sequence, separators: Optional[Sequence[int]] = None):
+        """A process reward model's head at each step separator (`separators`: token ids; None: the server's
+        --step-separator): per sequence [num_steps, num_labels] fp32, one row per step in order (no softmax: for a
+        two-class PRM, softmax each row and take column 1)."""
+        w = Wanted(step_scores=True, step_separators=separators)
+        return self._request(seqs, w, lambda r: r.step_scores)
+
+    def reward_tokens(self, seqs: Sequence, token_ids: Sequence[int], positions: Optional[Sequence[int]] = None,
+                      logits: bool = False, temperature: float = 1.0):
+        """A causal LM as a reward model: log_softmax(z_p/T)[id] (z_p/T with `logits`) for each of `token_ids` at
+        each of `positions` (logits rows; negative from the end; None: the last, the distribution after the
+        sequence): per sequence [num_positions, num_token_ids] fp32."""
+        w = Wanted(temperature=temperature, reward_token_ids=token_ids, reward_logits=logits,
+                   reward_positions=positions)
+        return self._request(seqs, w, lambda r: r.reward_tokens)
+
 
 @dataclass(frozen=True)
 class Detokenized:
@@ -121,7 +147,8 @@ class Detokenized:
 def model_info_of(msg) -> ModelInfo:
     from logitserve.v1 import logitserve_pb2 as pb
 
-    kind = {pb.CAUSAL_LM: "causal_lm", pb.REWARD_MODEL: "reward"}.get(msg.kind, "unknown")
+    kind = {pb.CAUSAL_LM: "causal_lm", pb.REWARD_MODEL: "reward", pb.TOKEN_REWARD_MODEL: "token_reward"}.get(
+        msg.kind, "unknown")
     ranks = tuple(dict(rank=r.rank, tp_rank=r.tp_rank, cp_rank=r.cp_rank, host=r.host, device=r.device,
                        pp_rank=r.pp_rank) for r in msg.ranks)
     return ModelInfo(msg.name, msg.content_hash, msg.architecture, kind, msg.vocab_size, msg.max_sequence_length,

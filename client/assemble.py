@@ -43,6 +43,9 @@ class ForwardResult:
     input_ids: Optional[list] = None           # [L] int32: texts as the server tokenized them (text requests)
     input_offsets: Optional[list] = None       # [L, 2] int32: each token's UTF-8 byte span in its text
     hidden_states: Optional[list] = None       # [L, H] (or [L - P, H]): the lm_head's input; see TeacherHead
+    token_scores: Optional[list] = None        # [L, num_labels] fp32: a token classifier at every position
+    step_scores: Optional[list] = None         # [num_steps, num_labels] fp32: it at each step separator
+    reward_tokens: Optional[list] = None       # [num_positions, num_token_ids] fp32: logprobs (or logits)
     applied: Optional[Applied] = None
     model: Optional[ModelIdentity] = None
     batching: Optional[str] = None             # "exact" | "packed": the mode the server's body ran in
@@ -52,7 +55,8 @@ class ForwardResult:
 _FIELD = {pb.TOKEN_LOGPROBS: "logprobs", pb.TOPK_VALUES: "topk_values", pb.TOPK_IDS: "topk_ids",
           pb.CANDIDATE_LOGPROBS: "candidate_logprobs", pb.FULL_LOGITS: "full_logits", pb.SCORES: "scores",
           pb.INPUT_IDS: "input_ids", pb.TOPK_TAIL: "topk_tail", pb.TOKEN_RANKS: "token_ranks",
-          pb.HIDDEN_STATES: "hidden_states", pb.INPUT_OFFSETS: "input_offsets"}
+          pb.HIDDEN_STATES: "hidden_states", pb.INPUT_OFFSETS: "input_offsets", pb.TOKEN_SCORES: "token_scores",
+          pb.STEP_SCORES: "step_scores", pb.REWARD_TOKENS: "reward_tokens"}
 
 
 def _lost(message: str) -> LogitServeError:
@@ -183,4 +187,5 @@ def wanted_fields(req: pb.ForwardRequest) -> tuple[str, ...]:
         names.append("full_logits")
     if req.HasField("scores"):
         names.append("scores")
+    names += [n for n in ("token_scores", "step_scores", "reward_tokens") if req.HasField(n)]
     return tuple(names)

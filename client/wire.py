@@ -37,6 +37,12 @@ class Wanted:
     hidden_states: bool = False            # the lm_head's input over the token rows, [L, H]
     hidden_dtype: str = "fp32"             # fp32 | bf16 on the wire
     input_offsets: bool = False            # texts only: each token's UTF-8 byte span, [L, 2] int32
+    token_scores: bool = False             # token-classification models: the head at every position, [L, labels]
+    step_scores: bool = False              # token-classification models: the head at each step separator
+    step_separators: Optional[Sequence[int]] = None   # separator ids; None: the server's --step-separator
+    reward_token_ids: Optional[Sequence[int]] = None  # causal LMs: logprobs of these ids at reward_positions
+    reward_logits: bool = False            # z/T instead of logprobs for reward_token_ids
+    reward_positions: Optional[Sequence[int]] = None  # logits rows (negative from the end); None: the last
 
 
 def int32_tensor(values, name: str) -> pb.Tensor:
@@ -92,6 +98,7 @@ def build_request(request_id: str, seqs: Sequence, w: Wanted) -> pb.ForwardReque
             f.vocab_start, f.vocab_end = (int(x) for x in w.vocab_range)
     if w.scores:
         req.scores.SetInParent()
+    _reward_fields(req, w)
     if w.hidden_states:
         if w.hidden_dtype not in ("fp32", "bf16"):
             raise ValueError(f"hidden_dtype={w.hidden_dtype!r}: choose fp32 or bf16")
@@ -107,6 +114,25 @@ def build_request(request_id: str, seqs: Sequence, w: Wanted) -> pb.ForwardReque
             raise ValueError(f"prompt_lengths: {len(w.prompt_lengths)} given for {len(seqs)} sequences")
         req.prompt_lengths.extend(int(p) for p in w.prompt_lengths)
     return req
+
+
+def _reward_fields(req: pb.ForwardRequest, w: Wanted) -> None:
+    """Token scores, step scores and reward tokens: the reward models' outputs beyond a sequence's score."""
+    if w.token_scores:
+        req.token_scores.SetInParent()
+    if w.step_separators is not None and not w.step_scores:
+        raise ValueError("step_separators needs step_scores=True")
+    if w.step_scores:
+        req.step_scores.SetInParent()
+        req.step_scores.separator_ids.extend(int(x) for x in (w.step_separators or ()))
+    if w.reward_token_ids is None:
+        if w.reward_positions is not None or w.reward_logits:
+            raise ValueError("reward_positions and reward_logits need reward_token_ids")
+        return
+    req.reward_tokens.SetInParent()
+    req.reward_tokens.token_ids.extend(int(x) for x in w.reward_token_ids)
+    req.reward_tokens.logits = bool(w.reward_logits)
+    req.reward_tokens.positions.extend(int(x) for x in (w.reward_positions or ()))
 
 
 # wire dtype -> (numpy dtype of the bytes, numpy dtype of the assembled array)

@@ -52,11 +52,12 @@ class ModelConfig:
     """Which model to serve and how."""
 
     path: Optional[str] = None          # a local HF directory; None = the embedded demo
-    demo: str = "causal"                # demo kind when path is None: causal | reward
+    demo: str = "causal"                # demo kind when path is None: causal | reward | prm
     demo_shape: str = "demo"            # demo shape when path is None: demo | body | 1b (logitserve.demo)
     dtype: str = "fp32"                 # fp32 | bf16 | fp16
     max_seq_len: Optional[int] = None   # default: the model's max_position_embeddings
     device: str = "cpu"                 # single-process serving: cpu | cuda | auto
+    step_separator: Optional[str] = None   # token-classification models: the token (or id) that ends a step
 
 
 @dataclass(frozen=True)
@@ -110,6 +111,7 @@ def _device(model: ModelConfig) -> str:
 def load_rank(model: ModelConfig, ctx: ParallelContext) -> tuple:
     """This rank's model and its vocab shard, read straight from disk: its TP shards and PP stage; the whole model
     in one process (trivial groups)."""
+    from logitserve.loaded import with_step_separator
     from logitserve.loading import load_sharded
     from logitserve.parallel import hook_cp, startup_barrier
 
@@ -123,6 +125,8 @@ def load_rank(model: ModelConfig, ctx: ParallelContext) -> tuple:
                                  balance=ctx.config.pp_balance)
     if hashing is not None:
         loaded = dataclasses.replace(loaded, content_hash=hashing.result())
+    if model.step_separator is not None:
+        loaded = with_step_separator(loaded, model.step_separator)
     startup_barrier(ctx)
     hook_cp(loaded, ctx)
     return loaded, shard

@@ -15,7 +15,12 @@ def _serve_parser(sub, formatter) -> None:
                    help="address to listen on (default loopback only; 0.0.0.0 for every interface, as in a container)")
     p.add_argument("--port", type=int, default=50051, help="gRPC port (native, KServe, health); 0: a free one")
     p.add_argument("--model", default=None, help="local Hugging Face model directory (config.json + safetensors)")
-    p.add_argument("--demo", choices=["causal", "reward"], default="causal", help="embedded demo when no --model")
+    p.add_argument("--demo", choices=["causal", "reward", "prm"], default="causal",
+                   help="embedded demo when no --model: a causal LM, an outcome reward model (sequence "
+                        "classifier), a process reward model (token classifier, 2 labels)")
+    p.add_argument("--step-separator", default=None, metavar="TOKEN",
+                   help="token-classification (process reward) models: the token that ends a step, as the "
+                        "vocabulary spells it (e.g. '<extra_0>') or its id, for step_scores requests that name none")
     p.add_argument("--demo-shape", choices=["demo", "body", "1b", "wide"], default="demo",
                    help="the demo's shape: demo (lm_head-heavy), body (8 layers, hidden 768), 1b (for GPUs), "
                         "wide (vocab 151936, hidden 1024)")
@@ -131,7 +136,7 @@ def _export_parser(sub, formatter) -> None:
     e = sub.add_parser("export-demo", help="write the embedded demo model as a Hugging Face directory",
                        formatter_class=formatter)
     e.add_argument("directory")
-    e.add_argument("--kind", choices=["causal", "reward"], default="causal")
+    e.add_argument("--kind", choices=["causal", "reward", "prm"], default="causal")
     e.add_argument("--shape", choices=["demo", "body", "1b", "wide"], default="demo")
 
 
@@ -237,7 +242,7 @@ def _cmd_serve(args, argv: list[str]) -> int:
     if threads:
         torch.set_num_threads(threads)
     model = ModelConfig(path=args.model, demo=args.demo, demo_shape=args.demo_shape, dtype=args.dtype,
-                        max_seq_len=args.max_seq_len)
+                        max_seq_len=args.max_seq_len, step_separator=args.step_separator)
     scheduler = SchedulerConfig(max_batch_tokens=args.max_batch_tokens, batch_delay_s=args.batch_delay_ms / 1e3,
                                 max_queued_tokens=args.max_queued_tokens, memory_budget_bytes=args.memory_budget,
                                 stall_timeout_s=args.stall_timeout, overlap=not args.no_overlap,

@@ -13,7 +13,9 @@ from google.protobuf.message import DecodeError
 from logitserve.engine import Piece
 from logitserve.head_export import tensor_bytes
 from logitserve.errors import InvalidRequest
-from logitserve.spec import HiddenOpts, Job, LogprobsOpts, OutputKind, SliceOpts, TopKOpts, WireDType
+from logitserve.spec import (HiddenOpts, Job, LogprobsOpts, OutputKind, RewardTokensOpts, SliceOpts, StepOpts,
+                             TopKOpts, WireDType)
+from logitserve.validate import check_listed
 from logitserve.v1 import logitserve_pb2 as pb
 
 MAX_REQUEST_ID = 256   # bytes of UTF-8 of a request id or a model name (every front-end); checked before one is logged
@@ -130,7 +132,28 @@ def decode_job(req: pb.ForwardRequest, texts_ids: Optional[tuple] = None) -> Job
     return Job(sequences=seqs, temperature=req.temperature if req.HasField("temperature") else 1.0,
                logprobs=logprobs, topk=topk, candidates=cands, full_logits=sl, scores=req.HasField("scores"),
                prompt_lengths=tuple(int(p) for p in req.prompt_lengths) if req.prompt_lengths else None,
-               hidden_states=hidden)
+               hidden_states=hidden, token_scores=req.HasField("token_scores"), step_scores=_steps(req),
+               reward_tokens=_reward_tokens(req))
+
+
+def _listed(field: str, values) -> tuple[int, ...]:
+    """A repeated int32 field as a tuple, its declared count checked before it is converted."""
+    check_listed(field, len(values))
+    return tuple(int(x) for x in values)
+
+
+def _steps(req: pb.ForwardRequest) -> Optional[StepOpts]:
+    if not req.HasField("step_scores"):
+        return None
+    return StepOpts(_listed("step_scores.separator_ids", req.step_scores.separator_ids))
+
+
+def _reward_tokens(req: pb.ForwardRequest) -> Optional[RewardTokensOpts]:
+    if not req.HasField("reward_tokens"):
+        return None
+    rt = req.reward_tokens
+    return RewardTokensOpts(_listed("reward_tokens.token_ids", rt.token_ids), logits=rt.logits,
+                            positions=_listed("reward_tokens.positions", rt.positions) or (-1,))
 
 
 def outputs_of(job: Optional[Job]) -> tuple[str, ...]:
@@ -138,8 +161,10 @@ def outputs_of(job: Optional[Job]) -> tuple[str, ...]:
     if job is None:
         return ("none",)
     names = [n for n, on in (("logprobs", job.logprobs), ("topk", job.topk), ("candidates", job.candidates),
-                             ("full_logits", job.full_logits), ("hidden_states", job.hidden_states)) if on is not None]
-    return tuple(names + (["scores"] if job.scores else [])) or ("none",)
+                             ("full_logits", job.full_logits), ("hidden_states", job.hidden_states),
+                             ("reward_tokens", job.reward_tokens), ("step_scores", job.step_scores)) if on is not None]
+    names += [n for n, on in (("scores", job.scores), ("token_scores", job.token_scores)) if on]
+    return tuple(names) or ("none",)
 
 
 def input_id_pieces(ids: Optional[tuple], offsets: Optional[tuple] = None) -> list[Piece]:
@@ -221,7 +246,8 @@ def encode_model_info(loaded, layout, max_message_bytes: int, version: str, batc
     from logitserve.loading import DTYPE_NAMES
     from logitserve.spec import ModelKind
 
-    kind = pb.CAUSAL_LM if loaded.kind is ModelKind.CAUSAL_LM else pb.REWARD_MODEL
+    kind = {ModelKind.CAUSAL_LM: pb.CAUSAL_LM, ModelKind.REWARD: pb.REWARD_MODEL,
+            ModelKind.TOKEN_REWARD: pb.TOKEN_REWARD_MODEL}[loaded.kind]
     return pb.ModelInfoResponse(
         name=loaded.name, content_hash=loaded.content_hash, architecture=loaded.architecture, kind=kind,
         vocab_size=loaded.vocab_size, max_sequence_length=loaded.max_seq_len, dtype=DTYPE_NAMES[loaded.dtype],

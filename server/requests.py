@@ -19,7 +19,7 @@ import grpc
 from logitserve.engine import Piece, SharedTokens
 from logitserve.errors import InvalidRequest, NotSupported, OverLimit, TooLarge, Unavailable
 from logitserve.spec import Job
-from logitserve.validate import validate_job
+from logitserve.validate import resolve_job
 
 from . import codec
 from .admission import ClientLimits, Clients
@@ -220,9 +220,10 @@ class Pipeline:
             self.metrics.shared_prefix_tokens.inc(tokens)
 
     # -- the request -------------------------------------------------------------------------------------------
-    def _validate(self, decoded: Decoded) -> None:
+    def _validate(self, decoded: Decoded) -> Job:
+        """The request's job, validated, with the server's defaults filled in (logitserve.validate.resolve_job)."""
         try:
-            validate_job(decoded.job, self.limits)
+            return resolve_job(decoded.job, self.limits)
         except InvalidRequest as e:   # name the request's own field: the text, not the sequence it became
             if e.field == "temperature" and decoded.temperature_field != "temperature":
                 raise InvalidRequest(decoded.temperature_field, str(e).split(": ", 1)[1]) from None
@@ -248,7 +249,7 @@ class Pipeline:
                 decoded = await decode()
                 job = decoded.job
                 self._check_size(job)
-                self._validate(decoded)
+                job = self._validate(decoded)
                 cost = self._check_cost(job)
                 t = decoded.timeout
                 if t is not None and not (t > 0 and t < float("inf")):

@@ -105,6 +105,23 @@ def test_filters_and_topk_logprobs_equal_reference(sharded):
 
 
 @pytest.mark.multi_process
+def test_reward_tokens_equal_reference(sharded):
+    """A causal LM as a reward model: chosen ids (on either side of the vocab split, the last beside the padding) at chosen
+    positions, from whichever ranks hold them (CP runs, the last stage), one gather per block under TP."""
+    tp, cp, server, ref, _ = sharded
+    seqs = random_seqs(np.random.default_rng(25), LENGTHS, vocab=V)
+    ids, positions = [3, 16001, V - 1, 3], [44, -45, 10, 30, -1]       # on seqs[3:] (45 and 130 tokens)
+    with TeacherClient(server.address) as c:
+        last = c.reward_tokens(seqs, ids, logits=True)
+        lp = c.reward_tokens(seqs[3:], ids, positions=positions, temperature=0.9)
+    for j, seq in enumerate(seqs):
+        assert_close(last[j], ref.logits(seq)[-1:, ids].numpy())
+    for j, seq in enumerate(seqs[3:]):
+        z = ref.logits(seq, 0.9)
+        assert_close(lp[j], torch.log_softmax(z, -1)[[p % len(seq) for p in positions]][:, ids].numpy())
+
+
+@pytest.mark.multi_process
 def test_http_routes_under_tp_and_cp(sharded):
     """vLLM's /v1/completions through a sharded server: bad input refused with 400 (the ranks never see it),
     then prompt_logprobs and ranks equal to the one-process float64 reference."""

@@ -115,16 +115,13 @@ def test_server_refuses_a_tp_the_kv_heads_do_not_divide_at_startup(tmp_path):
 
 
 def test_server_refuses_pipelines_it_cannot_build_at_startup(tmp_path):
-    """--pp with --cp (not supported, and why), more stages than decoder layers, and a reward model under --pp:
-    refused naming the flag, before or while the ranks start, never a hang."""
+    """--pp with --cp (not supported, and why) and more stages than decoder layers: refused naming the flag, before
+    or while the ranks start, never a hang. (Reward models are served under --pp: tests/test_reward_kinds.py.)"""
     directory = build_model(tmp_path / "two", "llama", hidden=64)      # 2 decoder layers
     with pytest.raises(RuntimeError, match=r"--pp 2 with --cp 2: not supported"):
         CliServer("--model", str(directory), "--pp", "2", "--cp", "2")
     with pytest.raises(RuntimeError, match=r"--pp 3: config.num_hidden_layers=2"):
         CliServer("--model", str(directory), "--pp", "3")
-    reward = build_model(tmp_path / "reward", "llama", kind="reward", hidden=64)
-    with pytest.raises(RuntimeError, match=r"--pp serves causal LMs"):
-        CliServer("--model", str(reward), "--pp", "2")
 
 
 def _serve_logprobs(directory, seqs) -> list:

@@ -43,6 +43,12 @@ def output_bytes(job: Job, vocab: int, num_labels: int = 1, hidden: int = 0) -> 
             total += rows * hidden * WIRE_BYTES[job.hidden_states.dtype]
         if job.scores:
             total += num_labels * 4
+        if job.token_scores:
+            total += len(seq) * num_labels * 4
+        if job.step_scores is not None:
+            total += int(job.step_scores.positions(seq).size) * num_labels * 4
+        if job.reward_tokens is not None:
+            total += len(job.reward_tokens.positions) * len(job.reward_tokens.token_ids) * 4
     return total
 
 

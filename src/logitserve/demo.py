@@ -1,4 +1,4 @@
-"""The embedded default models: Llama-style teachers and reward models of a few shapes, built from a fixed seed.
+"""The embedded default models: Llama-style teachers and reward models (outcome, process) of a few shapes, seeded.
 
 Shapes: `demo` (the default: 2 layers, hidden 256, its cost mostly the lm_head), `body`
 (8 layers, hidden 768: a body-heavy shape for benchmarks) and `1b` (16 layers, hidden
@@ -14,7 +14,11 @@ from pathlib import Path
 
 DEMO_VERSION = "v2"
 DEMO_SEED = 20261202
-DEMO_KINDS = ("causal", "reward")
+DEMO_KINDS = ("causal", "reward", "prm")
+# kind -> architecture: a teacher, an outcome reward model (one score), a process reward model (two classes per
+# token, as Qwen2.5-Math-PRM's head: [wrong, right], read at each step separator)
+DEMO_ARCHS = {"causal": "LlamaForCausalLM", "reward": "LlamaForSequenceClassification",
+              "prm": "LlamaForTokenClassification"}
 # shape -> (hidden, intermediate, layers, heads, kv heads, saved dtype)
 DEMO_SHAPES = {
     "demo": (256, 688, 2, 8, 4, "float32"),
@@ -36,8 +40,8 @@ def demo_config(kind: str, shape: str = "demo"):
         rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=False,
         # Wider than the usual 0.02 so the demo's logits spread like a trained model's.
         initializer_range=0.1, bos_token_id=1, eos_token_id=2, pad_token_id=0,
-        num_labels=1,
-        architectures=["LlamaForCausalLM" if kind == "causal" else "LlamaForSequenceClassification"],
+        num_labels=2 if kind == "prm" else 1,
+        architectures=[DEMO_ARCHS[kind]],
     )
 
 
@@ -58,7 +62,7 @@ def demo_tokenizer(vocab_size: int = 32000):
 def export_demo(directory: str | os.PathLike, kind: str = "causal", shape: str = "demo") -> Path:
     """Write the demo model of `kind` and `shape` as a normal Hugging Face directory; same bytes every time."""
     import torch
-    from transformers import LlamaForCausalLM, LlamaForSequenceClassification
+    import transformers
 
     if kind not in DEMO_KINDS:
         raise ValueError(f"demo kind {kind!r}: choose one of {DEMO_KINDS}")
@@ -66,7 +70,7 @@ def export_demo(directory: str | os.PathLike, kind: str = "causal", shape: str =
         raise ValueError(f"demo shape {shape!r}: choose one of {sorted(DEMO_SHAPES)}")
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
-    cls = LlamaForCausalLM if kind == "causal" else LlamaForSequenceClassification
+    cls = getattr(transformers, DEMO_ARCHS[kind])
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(DEMO_SEED)
         model = cls(demo_config(kind, shape)).float().eval().to(getattr(torch, DEMO_SHAPES[shape][-1]))

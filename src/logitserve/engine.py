@@ -24,6 +24,7 @@ import torch.nn.functional as F
 
 from .attention import VARLEN_ATTENTION, packed_forward, probe_flash, register_varlen_attention
 from .batch_run import BatchRun
+from .classify import classifier_pieces
 from .context_parallel import cp_forward, head_tail
 from .events import JobPiece, Piece, SharedTokens, Step, pieces_of
 from .head import Head
@@ -36,7 +37,7 @@ from .pipeline import pipeline_steps
 from .prefix import live_members, shared_by_job
 from .reductions import HeadShard, Segment, empty_reductions
 from .schedule import RowRun, alone, gathered_chunks, gathered_rows, grid_chunks, pack_rows, plan_units
-from .spec import Job
+from .spec import Job, ModelKind
 from .vocab_parallel import VocabShard, full_vocab
 
 __all__ = ["Batching", "Engine", "EngineConfig", "Piece", "SharedTokens", "Step"]
@@ -232,8 +233,8 @@ class Engine:
         opening = self._opening(run, body, ids)
         if opening is not None:
             yield opening
-        if jobs[members[0].job].scores:   # reward models: every job of the batch wants scores
-            yield self._score_step(run, body, h, runs)
+        if self.loaded.kind is not ModelKind.CAUSAL_LM:   # reward models: every job wants the classifier's outputs
+            yield self._classifier_step(run, body, h, runs)
             return
         cands = {j: self._cands(jobs[j], [m.sequence for m in members if m.job == j])
                  for j in dict.fromkeys(m.job for m in members)}
@@ -265,19 +266,11 @@ class Engine:
         jobs = tuple(dict.fromkeys([j for j, _ in shared] + [m.job for m in spanless]))
         return Step(jobs, tuple(events)) if jobs else None
 
-    def _score_step(self, run: BatchRun, body: list[Member], h: torch.Tensor, runs: list[RowRun]) -> Step:
-        """Each sequence's score, from the rank holding its last position (its TP rank 0): one Step on every rank."""
-        rows: dict[int, list[tuple[int, int]]] = {}       # job -> (row of h, sequence)
-        for r in runs:
-            m = body[r.member]
-            last = len(run.jobs[m.job].sequences[m.sequence]) - 1 if m.job >= 0 else -1
-            if m.job >= 0 and r.start <= last < r.start + r.length:
-                rows.setdefault(m.job, []).append((r.local + last - r.start, m.sequence))
-        events = []
-        if self.head_shard.emits_replicated:
-            for j, held in rows.items():
-                last = h[torch.tensor([x for x, _ in held], device=h.device)]                   # [n, H]
-                events += pieces_of(j, self.head.scores(last, [i for _, i in held]))
+    def _classifier_step(self, run: BatchRun, body: list[Member], h: torch.Tensor, runs: list[RowRun]) -> Step:
+        """A reward model's head outputs (scores, token and step scores) at the positions this rank's rows hold,
+        emitted by its TP rank 0 (logitserve.classify): one Step on every rank."""
+        events = classifier_pieces(run.jobs, body, h, runs, self.loaded.head) if self.head_shard.emits_replicated \
+            else []
         return Step(tuple(dict.fromkeys(m.job for m in body if m.job >= 0)), tuple(events))
 
     def _cands(self, job: Job, sequences) -> dict[int, torch.Tensor]:

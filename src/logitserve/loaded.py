@@ -1,6 +1,7 @@
 """What a loaded model is: its body, its head, its kind and names, the head's elementwise transform (loading builds it)."""
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -58,7 +59,7 @@ class LoadedModel:
 
     model: nn.Module          # the whole transformers model
     body: nn.Module           # base model: ids -> last hidden state [B, S, H]
-    head: nn.Linear           # lm_head [V, H] or the reward head [num_labels, H]
+    head: nn.Linear           # lm_head [V, H] or the reward head [num_labels, H] (empty on earlier pipeline stages)
     kind: ModelKind
     name: str
     content_hash: str
@@ -66,16 +67,18 @@ class LoadedModel:
     vocab_size: int           # lm_head.out_features; embedding rows for reward models
     max_seq_len: int
     dtype: torch.dtype
-    num_labels: int           # reward models; 0 for causal LMs
+    num_labels: int           # reward models (both kinds); 0 for causal LMs
     transform: HeadTransform = field(default_factory=HeadTransform)   # causal LMs' post-head elementwise map
     plan_source: str = ""     # where the TP plan came from: transformers, logitserve, both; "" at tp = 1
     text: Optional[object] = None   # tokenizing.TextEncoder where the directory ships a tokenizer
     head_checkpoint: Optional[tuple[str, str]] = None   # (directory, key) a vocab-sharded head was read from
     stage_input: Optional[object] = None     # pipeline.StageInput on later pipeline stages
+    step_separator: tuple[int, ...] = ()     # --step-separator: step scores' separator ids when a request names none
 
     @property
     def limits(self) -> ModelLimits:
-        return ModelLimits(kind=self.kind, vocab_size=self.vocab_size, max_seq_len=self.max_seq_len)
+        return ModelLimits(kind=self.kind, vocab_size=self.vocab_size, max_seq_len=self.max_seq_len,
+                           step_separator=self.step_separator)
 
 
 def content_hash(directory: Path) -> str:
@@ -91,25 +94,36 @@ def content_hash(directory: Path) -> str:
 
 
 def kind_of(config) -> ModelKind:
+    """The model's kind, from config.architectures: causal LM, sequence classifier, or token classifier."""
     archs = getattr(config, "architectures", None) or []
     if any(a.endswith("ForSequenceClassification") for a in archs):
         return ModelKind.REWARD
+    if any(a.endswith("ForTokenClassification") for a in archs):
+        return ModelKind.TOKEN_REWARD
     if any(a.endswith("ForCausalLM") or a.endswith("LMHeadModel") for a in archs):
         return ModelKind.CAUSAL_LM
-    raise ValueError(f"config.architectures={archs}: need a *ForCausalLM or *ForSequenceClassification model")
+    raise ValueError(f"config.architectures={archs}: need a *ForCausalLM, *ForSequenceClassification or "
+                     f"*ForTokenClassification model")
 
 
 def model_class(config):
     """The transformers auto class for this config's kind."""
-    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoModelForTokenClassification
 
-    return AutoModelForCausalLM if kind_of(config) is ModelKind.CAUSAL_LM else AutoModelForSequenceClassification
+    return {ModelKind.CAUSAL_LM: AutoModelForCausalLM, ModelKind.REWARD: AutoModelForSequenceClassification,
+            ModelKind.TOKEN_REWARD: AutoModelForTokenClassification}[kind_of(config)]
 
 
 def find_head(model, kind: ModelKind) -> nn.Module:
     if kind is ModelKind.CAUSAL_LM:
         return model.get_output_embeddings()
     return getattr(model, "score", None) or getattr(model, "classifier", None)
+
+
+def head_attr(model, kind: ModelKind) -> str:
+    """The attribute of `model` that holds its head (lm_head, score, classifier)."""
+    head = find_head(model, kind)
+    return next(n for n, m in model.named_children() if m is head)
 
 
 def describe(model, config, path: Path, dtype: str, max_seq_len: int | None, name: str | None,
@@ -121,8 +135,8 @@ def describe(model, config, path: Path, dtype: str, max_seq_len: int | None, nam
         raise ValueError(f"{type(model).__name__}: the head is {type(head).__name__}, expected a Linear layer")
     if kind is ModelKind.CAUSAL_LM:
         vocab, num_labels = vocab or model.get_output_embeddings().out_features, 0
-    else:
-        vocab, num_labels = model.get_input_embeddings().num_embeddings, head.out_features
+    else:   # an earlier pipeline stage holds an empty head: the config says how many labels the last one has
+        vocab, num_labels = model.get_input_embeddings().num_embeddings, head.out_features or config.num_labels
     model_max = int(getattr(config, "max_position_embeddings", 0) or 0) or 1 << 20
     if max_seq_len is not None and max_seq_len > model_max:
         raise ValueError(f"max_seq_len {max_seq_len} is over the model's max_position_embeddings {model_max}")
@@ -135,6 +149,28 @@ def describe(model, config, path: Path, dtype: str, max_seq_len: int | None, nam
         transform=head_transform_of(config) if kind is ModelKind.CAUSAL_LM else HeadTransform(),
         text=load_tokenizer(path),
     )
+
+
+def with_step_separator(loaded: LoadedModel, value: str) -> LoadedModel:
+    """The model with --step-separator's ids: `value` is a token id or a vocabulary entry (e.g. "<extra_0>")."""
+    if loaded.kind is not ModelKind.TOKEN_REWARD:
+        raise ValueError(f"--step-separator {value!r}: {loaded.architecture} is not a token-classification model; "
+                         f"step scores need a *ForTokenClassification (process reward) model")
+    text = value.strip()
+    if text.lstrip("-").isdigit():
+        ids = [int(text)]
+    elif loaded.text is None:
+        raise ValueError(f"--step-separator {value!r}: the model directory ships no tokenizer to look it up in; "
+                         f"give the token id")
+    else:
+        found = loaded.text.tokenizer.convert_tokens_to_ids([text])
+        ids = [] if found[0] is None or found[0] == loaded.text.tokenizer.unk_token_id else found
+        if not ids:
+            raise ValueError(f"--step-separator {value!r} is no entry of the tokenizer's vocabulary; give the "
+                             f"token as the vocabulary spells it, or its id")
+    if not 0 <= ids[0] < loaded.vocab_size:
+        raise ValueError(f"--step-separator {value!r}: id {ids[0]} is outside [0, {loaded.vocab_size})")
+    return dataclasses.replace(loaded, step_separator=(int(ids[0]),))
 
 
 def attention_kwargs(config) -> dict:

@@ -25,7 +25,7 @@ from torch import nn
 from .checkpoint import Checkpoint, Source
 from .hostmem import peak_rss_mib
 from .loaded import DTYPE_NAMES, DTYPES, HeadTransform, LoadedModel, attention_kwargs, content_hash, describe  # noqa: F401
-from .loaded import find_head, kind_of, model_class
+from .loaded import find_head, head_attr, kind_of, model_class
 from .pipeline import install_stage, split_stages
 from .spec import ModelKind
 from .tp_forward import install, install_vocab_embedding, shardable_embedding
@@ -179,14 +179,19 @@ class _Reader:
     def read_head(self) -> tuple[Optional[nn.Linear], VocabShard, Optional[str]]:
         """(this rank's lm_head, its VocabShard, the checkpoint key it came from); (None, empty, None) for a reward
         model, whose score head was read with the body."""
-        if self.kind is not ModelKind.CAUSAL_LM:
-            return None, VocabShard(0, 0, 0, None), None
         model, place = self.model, self.place
+        if self.kind is not ModelKind.CAUSAL_LM:
+            if place.stage == place.pp - 1:
+                return None, VocabShard(0, 0, 0, None), None
+            head = find_head(model, self.kind)      # an earlier pipeline stage: an empty one keeps dtype and H
+            empty = nn.Linear(head.in_features, 0, bias=False, device=self.device, dtype=self.dtype)
+            setattr(model, head_attr(model, self.kind), empty)
+            return empty, VocabShard(0, 0, 0, None), None
         names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
         emb = model.get_input_embeddings().weight                  # loaded above (stage 0): [V, H]
         head = find_head(model, self.kind)
         tied = self.tied
-        attr = _head_attr(model)
+        attr = head_attr(model, self.kind)
         key_name = f"{attr}.weight" if f"{attr}.weight" in self.sources and not tied else names[id(emb)]
         vocab, hidden, key = int(head.out_features), int(head.in_features), self.sources[key_name].keys[0][2]
         if place.stage != place.pp - 1:    # an earlier pipeline stage has no head: an empty one keeps dtype and H
@@ -270,16 +275,15 @@ def _stage_layers(model: nn.Module, body: nn.Module, prefix: str, kind: ModelKin
     parameters that compute per token ("compute": the embedding is a lookup and counts 0; the head counts like
     any GEMM) or all parameters ("memory")."""
     pp, stage = place.pp, place.stage
-    if kind is not ModelKind.CAUSAL_LM:
-        raise ValueError("--pp serves causal LMs; a reward model's score head is not staged (serve it with --tp)")
     blocks = getattr(body, "layers", None)
     if not isinstance(blocks, nn.ModuleList):
         raise ValueError(f"{type(body).__name__} has no `layers` list to split into --pp {pp} stages")
     sizes = [sum(p.numel() for p in b.parameters()) for b in blocks]
     emb = model.get_input_embeddings().weight
-    head = model.get_output_embeddings().weight
+    head = find_head(model, kind)                   # the lm_head or a reward model's score head: the last stage's
+    last_only = {id(p) for p in head.parameters() if p is not emb}
     norm = sum(p.numel() for p in body.norm.parameters()) if hasattr(body, "norm") else 0
-    bounds = split_stages(sizes, emb.numel() if place.balance == "memory" else 0, norm + head.numel(), pp)
+    bounds = split_stages(sizes, emb.numel() if place.balance == "memory" else 0, norm + head.weight.numel(), pp)
     a, b = bounds[stage]
     if stage == 0:
         log.info("pipeline stages (decoder layers): %s", ", ".join(f"[{x}, {y})" for x, y in bounds))
@@ -287,11 +291,6 @@ def _stage_layers(model: nn.Module, body: nn.Module, prefix: str, kind: ModelKin
     norm_name = f"{prefix}norm."
 
     def skip(name: str, p) -> bool:
-        return (name.startswith(others) or (stage > 0 and p is emb) or (stage < pp - 1 and p is head and p is not emb)
+        return (name.startswith(others) or (stage > 0 and p is emb) or (stage < pp - 1 and id(p) in last_only)
                 or (stage < pp - 1 and name.startswith(norm_name)))
     return (a, b), skip
-
-
-def _head_attr(model: nn.Module) -> str:
-    head = model.get_output_embeddings()
-    return next(n for n, m in model.named_children() if m is head)

@@ -3,7 +3,8 @@
 Every output is a run of rows of the block (`reductions.BlockReductions`) placed at its
 offset in the sequence's output: token logprobs and ranks (row t holds the target t + 1,
 row 0 of a sequence is 0), top-k values, ids and tail, candidates, hidden states, and each
-segment's full-logits rectangle. A segment of no rows (nothing to predict) gets every
+segment's full-logits rectangle, and the reward-token rows at the positions a segment holds
+(absolute rows, in the request's order). A segment of no rows (nothing to predict) gets every
 token output it asks for with zero rows, through the same code.
 """
 from __future__ import annotations
@@ -37,6 +38,8 @@ def cut(red: BlockReductions, job: Job, segs: list[Segment], hs: HeadShard) -> l
         pieces += _rows(OutputKind.TOPK_IDS, red.top_ids, segs, None, torch.int32)
         if red.tail is not None:
             pieces += _rows(OutputKind.TOPK_TAIL, red.tail, segs)
+    for g, (js, values) in zip(segs, red.reward):
+        pieces += _reward_pieces(g.sequence, js, values, len(job.reward_tokens.positions))
     for g, lp in zip(segs, red.candidates):
         rows, o, _ = g.token_cut()
         if _emits(g, rows):
@@ -80,4 +83,16 @@ def _per_target(kind: OutputKind, values: torch.Tensor, segs: list[Segment]) -> 
             if g.s0 == 0:                                                   # v[0] = 0 joins the first chunk
                 v, start = torch.cat([v.new_zeros(1), v]), 0
             out.append(Piece(kind, g.sequence, (L,), (start,), v.cpu().contiguous()))
+    return out
+
+
+def _reward_pieces(sequence: int, js: tuple[int, ...], values: torch.Tensor, rows: int) -> list[Piece]:
+    """REWARD_TOKENS rows js (ascending; each a position of the request, in its order) of one sequence: one piece
+    per run of consecutive output rows. values: [len(js), n]."""
+    out, start = [], 0
+    for k in range(1, len(js) + 1):
+        if k == len(js) or js[k] != js[k - 1] + 1:
+            out.append(Piece(OutputKind.REWARD_TOKENS, sequence, (rows, values.shape[1]), (js[start], 0),
+                             values[start:k].float().cpu().contiguous()))
+            start = k
     return out

@@ -3,7 +3,7 @@
 A block is `[R, V/tp]` rows of z/T in fp32 (a view into the engine's reused buffer, or
 a gathered copy) of one job, made of consecutive segments, each a run of rows of one
 sequence. `reduce_block` reads the block for everything that needs the logits themselves
-(full-logits rectangles, targets, ranks, filters, top-k, candidates) and only then takes
+(full-logits rectangles, targets, ranks, filters, top-k, candidates, reward tokens) and only then takes
 the log-sum-exp in place, consuming the block, so it allocates nothing of size [R, V]
 beyond what a filter needs. What it returns is all the outputs need: `outputs.cut` turns
 it into pieces without the logits.
@@ -99,6 +99,8 @@ class BlockReductions:
     candidates: tuple[Optional[torch.Tensor], ...] = ()   # per segment: [n, c] fp32 logprobs, its token rows
     slices: tuple[Optional[torch.Tensor], ...] = ()  # per segment: [b-a, c1-c0] its full-logits part, wire dtype, CPU
     hidden: Optional[torch.Tensor] = None            # [R, H] the block's hidden states (the lm_head's input)
+    reward: tuple[tuple[tuple[int, ...], torch.Tensor], ...] = ()   # per segment: (its REWARD_TOKENS output rows
+                                                     # [n], their values [n, num_token_ids] fp32), in row order
 
 
 @dataclass(frozen=True)
@@ -111,6 +113,8 @@ class _Reads:
     filtered_lp: Optional[torch.Tensor]                  # [R] logprob under top_k / top_p
     top: Optional[tuple[torch.Tensor, torch.Tensor]]     # [R, k] values, [R, k] ids
     cand_z: Optional[list[torch.Tensor]]                 # per segment [n, c] z/T at the candidates
+    reward_rows: Optional[list[tuple[tuple[int, ...], list[int]]]] = None   # per segment: (output rows, block rows)
+    reward_z: Optional[torch.Tensor] = None              # [n, num_token_ids] z/T at the reward tokens, all segments
 
 
 @torch.inference_mode()
@@ -150,7 +154,19 @@ def _read(job: Job, z: torch.Tensor, segs: list[Segment], hs: HeadShard, cands: 
             rows, o, _ = g.token_cut()
             n = rows.stop - rows.start
             cand_z.append(vp_gather(z[rows], cands[g.sequence][o : o + n], shard))   # [n, c]
-    return _Reads(slices, target_z, ranks, filtered_lp, top, cand_z)
+    reward_rows = reward_z = None
+    if job.reward_tokens is not None:                   # one gather for the block: one collective under TP
+        reward_rows = [_reward_rows(job, g) for g in segs]
+        block_rows = torch.tensor([b for _, bs in reward_rows for b in bs], dtype=torch.int64, device=z.device)
+        ids = torch.tensor(job.reward_tokens.token_ids, dtype=torch.int64, device=z.device)
+        reward_z = vp_gather(z.index_select(0, block_rows), ids.expand(len(block_rows), -1), shard)   # [n, c]
+    return _Reads(slices, target_z, ranks, filtered_lp, top, cand_z, reward_rows, reward_z)
+
+
+def _reward_rows(job: Job, g: Segment) -> tuple[tuple[int, ...], list[int]]:
+    """(REWARD_TOKENS output rows, their block rows) of the positions that fall in segment g's rows."""
+    picked = [(j, g.row + p - g.s0) for j, p in enumerate(job.reward_tokens.rows(len(g.ids))) if g.s0 <= p < g.s1]
+    return tuple(j for j, _ in picked), [b for _, b in picked]
 
 
 def _consume(job: Job, z: torch.Tensor, reads: _Reads,
@@ -166,7 +182,7 @@ def _consume(job: Job, z: torch.Tensor, reads: _Reads,
         return lse, rest - lse                                                      # tail: -inf when k = V
     opts = job.logprobs
     needs = ((opts is not None and reads.filtered_lp is None) or (top is not None and job.topk.as_logprobs)
-             or reads.cand_z is not None)
+             or reads.cand_z is not None or (reads.reward_z is not None and not job.reward_tokens.logits))
     if not needs:
         return None, None
     row_max = top[0][:, 0] if top is not None else None                             # the top-1 is the row max
@@ -184,7 +200,24 @@ def _finish(job: Job, rows: int, reads: _Reads, lse, tail, hidden, segs: list[Se
     cands = ()
     if reads.cand_z is not None:
         cands = tuple(cz - lse[g.token_cut()[0], None] for g, cz in zip(segs, reads.cand_z))   # [n, c] each
-    return BlockReductions(rows, lse, lp, reads.ranks, values, ids, tail, cands, reads.slices, hidden)
+    return BlockReductions(rows, lse, lp, reads.ranks, values, ids, tail, cands, reads.slices, hidden,
+                           _reward(job, reads, lse))
+
+
+def _reward(job: Job, reads: _Reads, lse: Optional[torch.Tensor]) -> tuple:
+    """Each segment's reward-token rows: z/T at the ids, less the row's log-sum-exp unless logits are asked."""
+    if reads.reward_z is None:
+        return ()
+    values = reads.reward_z
+    if not job.reward_tokens.logits:
+        block_rows = torch.tensor([b for _, bs in reads.reward_rows for b in bs], dtype=torch.int64,
+                                  device=values.device)
+        values = values - lse.index_select(0, block_rows)[:, None]
+    out, at = [], 0
+    for js, _ in reads.reward_rows:
+        out.append((js, values[at : at + len(js)]))
+        at += len(js)
+    return tuple(out)
 
 
 def empty_reductions(job: Job, segs: list[Segment], hidden: int) -> BlockReductions:

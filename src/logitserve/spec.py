@@ -30,11 +30,15 @@ class OutputKind(enum.IntEnum):
     TOKEN_RANKS = 9         # [L] int32: 1 + #ids with z/T above the target's (row 0: 0), as TOKEN_LOGPROBS
     HIDDEN_STATES = 10      # [L, H]: the lm_head's input, over the token outputs' rows
     INPUT_OFFSETS = 11      # [L, 2] int32: a text's tokens' UTF-8 byte spans
+    TOKEN_SCORES = 12       # [L, num_labels] fp32: a token-classification head at every position
+    STEP_SCORES = 13        # [num_steps, num_labels] fp32: that head at each step separator
+    REWARD_TOKENS = 14      # [num_positions, num_token_ids] fp32: a causal LM's logprobs (or logits) of chosen ids
 
 
 class ModelKind(enum.Enum):
     CAUSAL_LM = "causal_lm"
-    REWARD = "reward"
+    REWARD = "reward"                # *ForSequenceClassification: a score at the last token
+    TOKEN_REWARD = "token_reward"    # *ForTokenClassification (process reward models): a score row per token
 
 
 @dataclass(frozen=True)
@@ -81,6 +85,30 @@ class HiddenOpts:
 
 
 @dataclass(frozen=True)
+class StepOpts:
+    """Step scores: a token-classification head at every position whose token is a step separator."""
+
+    separators: tuple[int, ...] = ()   # token ids that end a step; () until resolved: the server's --step-separator
+
+    def positions(self, seq: np.ndarray) -> np.ndarray:
+        """The positions of sequence `seq` holding a separator, ascending: row k of STEP_SCORES is read at [k]. [S]"""
+        return np.flatnonzero(np.isin(seq, np.asarray(self.separators, dtype=seq.dtype)))
+
+
+@dataclass(frozen=True)
+class RewardTokensOpts:
+    """A causal LM as a reward model: logprobs (or logits) of chosen token ids at chosen positions."""
+
+    token_ids: tuple[int, ...]         # n ids in [0, V)
+    logits: bool = False               # z_p/T instead of log_softmax(z_p/T)
+    positions: tuple[int, ...] = (-1,)  # logits rows; negative counts from the end (-1: the last)
+
+    def rows(self, length: int) -> tuple[int, ...]:
+        """The positions as rows of a sequence of this length (validated to lie in [-L, L))."""
+        return tuple(p if p >= 0 else length + p for p in self.positions)
+
+
+@dataclass(frozen=True)
 class Job:
     """One request: ragged sequences and the outputs wanted from one forward pass."""
 
@@ -93,6 +121,9 @@ class Job:
     scores: bool = False
     prompt_lengths: Optional[tuple[int, ...]] = None   # P_i: token outputs only for tokens P_i..L_i-1
     hidden_states: Optional[HiddenOpts] = None
+    token_scores: bool = False                         # token-classification models: the head at every position
+    step_scores: Optional[StepOpts] = None             # token-classification models: the head at step separators
+    reward_tokens: Optional[RewardTokensOpts] = None   # causal LMs: logprobs of chosen ids at chosen positions
 
     @property
     def num_tokens(self) -> int:
@@ -103,9 +134,15 @@ class Job:
         return self.needs_logits or self.hidden_states is not None
 
     @property
+    def wants_classifier_outputs(self) -> bool:
+        """Whether the job asks for what a classification head gives: scores, token scores or step scores."""
+        return self.scores or self.token_scores or self.step_scores is not None
+
+    @property
     def needs_logits(self) -> bool:
         """Whether any output reads the head's logits (hidden states alone never run the head)."""
-        return any(x is not None for x in (self.logprobs, self.topk, self.candidates, self.full_logits))
+        return any(x is not None for x in (self.logprobs, self.topk, self.candidates, self.full_logits,
+                                           self.reward_tokens))
 
     @property
     def wants_row_outputs(self) -> bool:
@@ -131,17 +168,26 @@ class Job:
         if self.full_logits is not None:
             s0, s1, _, _ = self.full_logits.bounds(L, vocab)
             ranges.append((s0, s1))
+        if self.reward_tokens is not None:
+            rows = self.reward_tokens.rows(L)
+            ranges.append((min(rows), max(rows) + 1))
         ranges = [(a, b) for a, b in ranges if a < b]
         if not ranges:
             return 0, 0
         return min(a for a, _ in ranges), max(b for _, b in ranges)
 
     def first_read(self, i: int, vocab: int) -> int:
-        """The first row of sequence i any output reads (L - 1 for a score, L when none is read): rows before it
-        may come from a shared prefix (logitserve.prefix)."""
+        """The first row of sequence i any output reads (L - 1 for a score, the first separator for step scores, L
+        when none is read): rows before it may come from a shared prefix (logitserve.prefix)."""
         L = len(self.sequences[i])
-        if self.scores:
-            return L - 1
+        if self.wants_classifier_outputs:
+            first = L - 1 if self.scores else L
+            if self.token_scores:
+                first = 0
+            if self.step_scores is not None:
+                steps = self.step_scores.positions(self.sequences[i])
+                first = min(first, int(steps[0]) if steps.size else L)
+            return first
         a, b = self.head_rows(i, vocab)
         return a if b > a else L
 
@@ -153,3 +199,4 @@ class ModelLimits:
     kind: ModelKind
     vocab_size: int        # V: lm_head.out_features (embedding rows for reward models)
     max_seq_len: int
+    step_separator: tuple[int, ...] = ()   # --step-separator: step scores' separator ids when a request names none

@@ -1,12 +1,13 @@
 """Checks a Job against SPEC.md's bounds; every failure names the field and the bound."""
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
 
 from .errors import InvalidRequest
-from .spec import Job, ModelKind, ModelLimits, WireDType
+from .spec import Job, ModelKind, ModelLimits, StepOpts, WireDType
 
 # The temperatures served: logits are divided by T in float32. Below MIN_TEMPERATURE, z/T overflows to inf for
 # logits of ordinary size (T = 1e-40, a float32 subnormal, makes every logprob nan); MIN keeps z/T finite for
@@ -15,6 +16,9 @@ from .spec import Job, ModelKind, ModelLimits, WireDType
 # |z| > 1.2e-32. One rule for every front-end: all of them build a Job that is checked here.
 MIN_TEMPERATURE = 1e-6
 MAX_TEMPERATURE = 1e6
+# Ids or positions listed in a request's repeated int32 fields (step separators, reward tokens): checked on the
+# declared count before anything is converted; a reward token list longer than this wants candidates or full logits.
+MAX_LISTED = 1 << 16
 
 
 def _check_ids(field: str, ids: np.ndarray, vocab: int) -> None:
@@ -41,6 +45,40 @@ def check_candidates_per_row(field: str, count: int, vocab: int) -> None:
                                     f"ask for full logits instead")
 
 
+def _check_kind(job: Job, kind: ModelKind) -> None:
+    """Each model kind answers its own outputs: a causal LM token outputs (reward tokens among them), a sequence
+    classifier scores, a token classifier scores, token scores and step scores."""
+    if not job.wants_token_outputs and not job.wants_classifier_outputs:
+        raise InvalidRequest("outputs", "no output requested: set logprobs, topk, candidates, full_logits, "
+                                        "hidden_states, reward_tokens, scores, token_scores or step_scores")
+    if kind is ModelKind.CAUSAL_LM:
+        for name, on in (("scores", job.scores), ("token_scores", job.token_scores),
+                         ("step_scores", job.step_scores is not None)):
+            if on:
+                raise InvalidRequest(name, f"this server holds a causal LM; {name} need a reward model "
+                                           f"(sequence- or token-classification); a causal LM as a reward model "
+                                           f"answers reward_tokens")
+        return
+    if job.wants_token_outputs:
+        what = ("scores only" if kind is ModelKind.REWARD
+                else "scores, token_scores and step_scores only")
+        raise InvalidRequest("reward_tokens" if job.reward_tokens is not None else "outputs",
+                             f"this server holds a reward model; it answers {what}")
+    if kind is ModelKind.REWARD:
+        for name, on in (("token_scores", job.token_scores), ("step_scores", job.step_scores is not None)):
+            if on:
+                raise InvalidRequest(name, f"this server holds a sequence-classification reward model; {name} "
+                                           f"need a token-classification (process reward) model")
+
+
+def resolve_job(job: Job, limits: ModelLimits) -> Job:
+    """The job with the server's defaults filled in (step scores' separators: --step-separator), validated."""
+    if job.step_scores is not None and not job.step_scores.separators and limits.step_separator:
+        job = dataclasses.replace(job, step_scores=StepOpts(tuple(limits.step_separator)))
+    validate_job(job, limits)
+    return job
+
+
 def validate_job(job: Job, limits: ModelLimits) -> None:
     """Raise InvalidRequest for the first thing in `job` outside its bound."""
     V = limits.vocab_size
@@ -61,14 +99,7 @@ def validate_job(job: Job, limits: ModelLimits) -> None:
         raise InvalidRequest("temperature", f"{T!r} must be a finite number > 0, within [{MIN_TEMPERATURE:g}, "
                                             f"{MAX_TEMPERATURE:g}]: outside it z/T over- or underflows float32")
 
-    wants_tokens = job.wants_token_outputs
-    if not wants_tokens and not job.scores:
-        raise InvalidRequest("outputs", "no output requested: set logprobs, topk, candidates, full_logits, "
-                                        "hidden_states or scores")
-    if limits.kind is ModelKind.REWARD and wants_tokens:
-        raise InvalidRequest("outputs", "this server holds a reward model; it answers scores only")
-    if limits.kind is ModelKind.CAUSAL_LM and job.scores:
-        raise InvalidRequest("scores", "this server holds a causal LM; scores need a reward (sequence-classification) model")
+    _check_kind(job, limits.kind)
 
     if job.logprobs is not None:
         if job.logprobs.top_k is not None:
@@ -101,6 +132,10 @@ def validate_job(job: Job, limits: ModelLimits) -> None:
                                      f"shape {list(cand.shape)} must be [{what}={rows}, c] with c >= 1")
             check_candidates_per_row(f"candidates.ids[{i}]", cand.shape[1], V)
             _check_ids(f"candidates.ids[{i}]", cand, V)
+    if job.step_scores is not None:
+        _check_steps(job, V)
+    if job.reward_tokens is not None:
+        _check_reward_tokens(job, V)
     if job.full_logits is not None:
         sl = job.full_logits
         for i, seq in enumerate(job.sequences):
@@ -111,3 +146,45 @@ def validate_job(job: Job, limits: ModelLimits) -> None:
             if not (0 <= v0 < v1 <= V):
                 raise InvalidRequest("full_logits.vocab_start/vocab_end",
                                      f"[{v0}, {v1}) is not a non-empty range inside [0, {V})")
+
+
+def check_listed(field: str, count: int) -> None:
+    """At most MAX_LISTED ids or positions in a request's list; every front-end checks the count it declares."""
+    if count > MAX_LISTED:
+        raise InvalidRequest(field, f"{count} entries is over the limit of {MAX_LISTED}")
+
+
+def _check_steps(job: Job, V: int) -> None:
+    seps = job.step_scores.separators
+    if not seps:
+        raise InvalidRequest("step_scores.separator_ids", "no separator id given and the server has no "
+                                                          "--step-separator: name the token that ends a step")
+    check_listed("step_scores.separator_ids", len(seps))
+    for j, x in enumerate(seps):
+        if not 0 <= x < V:
+            raise InvalidRequest(f"step_scores.separator_ids[{j}]", f"token id {x} is outside [0, {V})")
+    for i, seq in enumerate(job.sequences):
+        if not job.step_scores.positions(seq).size:
+            raise InvalidRequest("step_scores.separator_ids", f"sequences[{i}] holds none of the separator ids "
+                                                              f"{list(seps[:8])}: it has no step to score")
+
+
+def _check_reward_tokens(job: Job, V: int) -> None:
+    rt = job.reward_tokens
+    check_listed("reward_tokens.token_ids", len(rt.token_ids))
+    check_listed("reward_tokens.positions", len(rt.positions))
+    if not rt.token_ids:
+        raise InvalidRequest("reward_tokens.token_ids", "at least one token id is needed")
+    if not rt.positions:
+        raise InvalidRequest("reward_tokens.positions", "at least one position is needed (none given: the last)")
+    if len(rt.token_ids) > V:
+        raise InvalidRequest("reward_tokens.token_ids", f"{len(rt.token_ids)} ids is over the vocabulary size {V}")
+    for j, x in enumerate(rt.token_ids):
+        if not 0 <= x < V:
+            raise InvalidRequest(f"reward_tokens.token_ids[{j}]", f"token id {x} is outside [0, {V})")
+    shortest = min(len(s) for s in job.sequences)
+    for j, p in enumerate(rt.positions):
+        if not -shortest <= p < shortest:
+            i = next(i for i, s in enumerate(job.sequences) if not -len(s) <= p < len(s))
+            raise InvalidRequest(f"reward_tokens.positions[{j}]", f"{p} is outside [-{len(job.sequences[i])}, "
+                                                                  f"{len(job.sequences[i])}) for sequences[{i}]")

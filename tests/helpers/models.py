@@ -13,7 +13,8 @@ VOCAB = 1003   # odd on purpose: does not divide by any tp
 
 def build_model(directory: Path, arch: str, kind: str = "causal", vocab: int = VOCAB, hidden: int = 64,
                 layers: int = 2, max_pos: int = 512, seed: int = 0, num_labels: int = 1) -> Path:
-    """Save a small random model of `arch` as a normal HF directory."""
+    """Save a small random model of `arch` as a normal HF directory; kind: causal, reward (a sequence classifier)
+    or token (a token classifier: a process reward model)."""
     import transformers as tf
 
     common = dict(vocab_size=vocab, num_labels=num_labels, pad_token_id=0)
@@ -21,12 +22,14 @@ def build_model(directory: Path, arch: str, kind: str = "causal", vocab: int = V
         cfg = tf.LlamaConfig(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
                              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_pos,
                              initializer_range=0.1, tie_word_embeddings=False, **common)
-        cls = tf.LlamaForCausalLM if kind == "causal" else tf.LlamaForSequenceClassification
+        cls = {"causal": tf.LlamaForCausalLM, "reward": tf.LlamaForSequenceClassification,
+               "token": tf.LlamaForTokenClassification}[kind]
     elif arch == "qwen2":
         cfg = tf.Qwen2Config(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
                              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_pos,
                              initializer_range=0.1, tie_word_embeddings=False, **common)
-        cls = tf.Qwen2ForCausalLM if kind == "causal" else tf.Qwen2ForSequenceClassification
+        cls = {"causal": tf.Qwen2ForCausalLM, "reward": tf.Qwen2ForSequenceClassification,
+               "token": tf.Qwen2ForTokenClassification}[kind]
     elif arch == "gpt2":
         cfg = tf.GPT2Config(n_embd=hidden, n_layer=layers, n_head=4, n_positions=max_pos,
                             initializer_range=0.1, bos_token_id=1, eos_token_id=2, **common)
@@ -46,8 +49,9 @@ class Reference:
         import transformers as tf
 
         cfg = tf.AutoConfig.from_pretrained(directory)
-        auto = (tf.AutoModelForSequenceClassification
-                if cfg.architectures[0].endswith("ForSequenceClassification") else tf.AutoModelForCausalLM)
+        arch = cfg.architectures[0]
+        auto = (tf.AutoModelForSequenceClassification if arch.endswith("ForSequenceClassification") else
+                tf.AutoModelForTokenClassification if arch.endswith("ForTokenClassification") else tf.AutoModelForCausalLM)
         moe = getattr(cfg, "num_local_experts", None) or getattr(cfg, "num_experts", None)
         extra = dict(experts_implementation="eager") if moe else {}     # grouped_mm has no float64 kernel
         # eager attention is the definition: sdpa drops Gemma 2's score softcapping (and is transformers

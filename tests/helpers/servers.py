@@ -17,13 +17,18 @@ MiB = 2 ** 20
 OVERHEAD = 512 * MiB
 
 
-def serve_dir(directory, chunk_size=16, batching="packed", max_pack_tokens=16384, min_shared_prefix=64, **server_kw):
-    """An in-process server (a ServerThread) on the model in `directory`, with these engine settings."""
+def serve_dir(directory, chunk_size=16, batching="packed", max_pack_tokens=16384, min_shared_prefix=64,
+              step_separator=None, **server_kw):
+    """An in-process server (a ServerThread) on the model in `directory`, with these engine settings
+    (step_separator: --step-separator's value, for token-classification models)."""
     from logitserve.engine import Batching, EngineConfig
+    from logitserve.loaded import with_step_separator
     from logitserve.loading import load_model
     from logitserve.server.app import ServerConfig
 
     loaded = load_model(directory)
+    if step_separator is not None:
+        loaded = with_step_separator(loaded, step_separator)
     engine = EngineConfig(chunk_size=chunk_size, batching=Batching(batching), max_pack_tokens=max_pack_tokens,
                           min_shared_prefix=min_shared_prefix)
     return ServerThread(loaded, ServerConfig(port=0, engine=engine, **server_kw))
