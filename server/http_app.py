@@ -29,8 +29,9 @@ from logitserve.errors import InvalidRequest, TooLarge
 from . import openai_api, sglang_api, trl_api
 from . import http_answer as answer
 from .http_answer import AnswerHold
-from .http_common import Ctx, Failed, json_object
+from .http_common import Ctx, json_object
 from .http_conn import AcceptErrorFilter, Connections, HttpLimits, guarded_protocol
+from .requests import Failed
 from .status import route_error, to_http, to_status
 
 log = logging.getLogger("logitserve.http")

@@ -12,7 +12,7 @@ import asyncio
 import contextlib
 import time
 from dataclasses import dataclass
-from typing import Awaitable, Callable, Optional
+from typing import AsyncGenerator, AsyncIterator, Callable, Iterator, Optional
 
 import grpc
 
@@ -79,7 +79,12 @@ class Outcome:
         return self.status == grpc.StatusCode.OK
 
 
-Sink = Callable[[Piece], Awaitable[None]]
+class Failed(Exception):
+    """A request ended without an answer: its Outcome (status, message, the field it names)."""
+
+    def __init__(self, outcome: Outcome):
+        super().__init__(outcome.message)
+        self.outcome = outcome
 
 
 class Pipeline:
@@ -157,9 +162,11 @@ class Pipeline:
         return None
 
     @contextlib.contextmanager
-    def _tracking(self, client: str):
+    def admitted(self, client: str) -> Iterator[None]:
         """The current task counts as a request in flight of `client` (drained and ended on shutdown);
-        OverLimit past the client's --max-in-flight-per-client."""
+        Unavailable while draining, OverLimit past --max-in-flight-per-client or --max-in-flight."""
+        if self._draining:
+            raise Unavailable(SHUTTING_DOWN)
         refusal = self.clients.start(client)
         if refusal is not None:
             raise OverLimit(refusal)
@@ -236,47 +243,86 @@ class Pipeline:
                 raise
             raise InvalidRequest(name, str(e).split(": ", 1)[1]) from None
 
-    async def run(self, rid: str, client: str, decode: Callable[[], Awaitable[Decoded]], sink: Sink) -> Outcome:
-        """Decode, admit, validate and compute one request, each piece to `sink` (INPUT_IDS first for texts).
-        Every failure comes back as an Outcome; cancellation propagates (after its access-log line) unless
-        the server's grace period ended it, which is an UNAVAILABLE Outcome."""
-        started, job, status = time.monotonic(), None, grpc.StatusCode.OK
+    @contextlib.asynccontextmanager
+    async def request(self, rid: str, client: str) -> AsyncIterator["Request"]:
+        """One request of `client`: admitted, tracked and logged. The block either ends with `r.outcome` OK or
+        raises Failed with the Outcome of whatever went wrong in it (a refusal skips the block). Cancellation
+        propagates (after its access-log line) unless the grace period ended it: Failed with UNAVAILABLE."""
+        r = Request(self, rid, client)
+        started = time.monotonic()
         try:
-            with self._tracking(client):
-                if self._draining:
-                    raise Unavailable(SHUTTING_DOWN)
-                decoded = await decode()
-                job = decoded.job
-                self._check_size(job)
-                self._validate(decoded)
-                cost = self._check_cost(job)
-                t = decoded.timeout
-                if t is not None and not (t > 0 and t < float("inf")):
-                    raise InvalidRequest(decoded.timeout_field, f"{t} must be > 0 and finite")
-                shared = 0
-                try:
-                    async with asyncio.timeout(t):
-                        for piece in codec.input_id_pieces(decoded.text_ids, decoded.text_offsets):
-                            await sink(piece)
-                        async for piece in self.scheduler.stream(job, client, decoded.hold, cost):
-                            if isinstance(piece, SharedTokens):
-                                shared += piece.tokens
-                                self.count_shared(piece.tokens)
-                                continue
-                            await sink(piece)
-                except TimeoutError:
-                    status = grpc.StatusCode.DEADLINE_EXCEEDED
-                    return Outcome(status, f"{decoded.timeout_field}: request {rid!r} did not finish within {t:g} s",
-                                   job)
-                return Outcome(status, job=job, shared=shared)
+            with self.admitted(client):
+                async with asyncio.timeout(None) as r.deadline, contextlib.aclosing(r):
+                    yield r
+            r.outcome = Outcome(grpc.StatusCode.OK, job=r.job, shared=r.shared)
         except asyncio.CancelledError:
-            status = grpc.StatusCode.CANCELLED
-            if self._ending:    # the grace period is over: say so
-                status = grpc.StatusCode.UNAVAILABLE
-                return Outcome(status, ENDED_BY_SHUTDOWN, job)
-            raise
+            if not self._ending:
+                raise
+            r.outcome = Outcome(grpc.StatusCode.UNAVAILABLE, ENDED_BY_SHUTDOWN, r.job)   # the grace period is over
         except Exception as e:      # noqa: BLE001 (every error becomes its status, in one place)
-            status, message = to_status(e)
-            return Outcome(status, message, job, field=getattr(e, "field", None), too_large=isinstance(e, TooLarge))
+            r.outcome = r.failure(e)
         finally:
-            account(self.metrics, rid, job, status, time.monotonic() - started)
+            account(self.metrics, rid, r.job, r.outcome.status if r.outcome else grpc.StatusCode.CANCELLED,
+                    time.monotonic() - started)
+        if not r.outcome.ok:
+            raise Failed(r.outcome)
+
+
+class Request:
+    """One admitted request: `run(decoded)` yields its pieces; `outcome` says how it ended (set on leaving
+    Pipeline.request)."""
+
+    def __init__(self, pipeline: Pipeline, rid: str, client: str):
+        self._pipeline = pipeline
+        self.rid = rid
+        self.client = client
+        self.job: Optional[Job] = None
+        self.shared = 0                    # prompt tokens computed once for several sequences
+        self.outcome: Optional[Outcome] = None
+        self.deadline: Optional[asyncio.Timeout] = None   # armed by run() with the request's timeout
+        self._decoded: Optional[Decoded] = None
+        self._pieces: Optional[AsyncGenerator] = None
+
+    def run(self, decoded: Decoded) -> AsyncIterator[Piece]:
+        """Check `decoded` (size, validation, cost, deadline), then its pieces under its deadline: INPUT_IDS
+        first for texts, then the scheduler's (SharedTokens counted here, not yielded)."""
+        assert self._pieces is None, "one run per request"
+        self._pieces = self._stream(decoded)
+        return self._pieces
+
+    async def _stream(self, decoded: Decoded) -> AsyncGenerator[Piece, None]:
+        pipeline, self.job, self._decoded = self._pipeline, decoded.job, decoded
+        pipeline._check_size(decoded.job)
+        pipeline._validate(decoded)
+        cost = pipeline._check_cost(decoded.job)
+        t = decoded.timeout
+        if t is not None:
+            if not (t > 0 and t < float("inf")):
+                raise InvalidRequest(decoded.timeout_field, f"{t} must be > 0 and finite")
+            self.deadline.reschedule(asyncio.get_running_loop().time() + t)
+        for piece in codec.input_id_pieces(decoded.text_ids, decoded.text_offsets):
+            yield piece
+        stream = pipeline.scheduler.stream(decoded.job, self.client, decoded.hold, cost)
+        async with contextlib.aclosing(stream):
+            async for piece in stream:
+                if isinstance(piece, SharedTokens):
+                    self.shared += piece.tokens
+                    pipeline.count_shared(piece.tokens)
+                    continue
+                yield piece
+        self.deadline.reschedule(None)     # done: what the front-end does next is not under the deadline
+
+    def failure(self, e: Exception) -> Outcome:
+        """The Outcome of an exception raised in the request's block; TimeoutError of its deadline names the
+        request's timeout field."""
+        if isinstance(e, TimeoutError) and self.deadline is not None and self.deadline.expired():
+            d = self._decoded
+            return Outcome(grpc.StatusCode.DEADLINE_EXCEEDED, f"{d.timeout_field}: request {self.rid!r} did not "
+                           f"finish within {d.timeout:g} s", self.job)
+        status, message = to_status(e)
+        return Outcome(status, message, self.job, field=getattr(e, "field", None), too_large=isinstance(e, TooLarge))
+
+    async def aclose(self) -> None:
+        """The run's pieces are given up (the block ended before they did): the scheduler drops the job now."""
+        if self._pieces is not None:
+            await self._pieces.aclose()
