@@ -133,10 +133,10 @@ def _refusal_bytes(why: str) -> bytes:
 
 
 class GuardedH11(H11Protocol):
-    """uvicorn's h11 protocol, the connection guarded by `connections` (set on the subclass guarded_protocol
+    """uvicorn's h11 protocol, the connection guarded by `guard` (set on the subclass guarded_protocol
     makes): admitted at accept, deadlines for headers, body and a stalled reader."""
 
-    connections: Connections
+    guard: Connections      # not `connections`: H11Protocol has its own (the server's set of them)
     _host: Optional[str] = None
     _timer: Optional[asyncio.TimerHandle] = None
     _send_timer: Optional[asyncio.TimerHandle] = None
@@ -145,12 +145,12 @@ class GuardedH11(H11Protocol):
 
     @property
     def _limits(self) -> HttpLimits:
-        return self.connections.limits
+        return self.guard.limits
 
     def connection_made(self, transport) -> None:
         peer = transport.get_extra_info("peername")
         host = str(peer[0]) if isinstance(peer, tuple) and peer else "unknown"
-        why = self.connections.admit(host)
+        why = self.guard.admit(host)
         if why is not None:
             transport.write(_refusal_bytes(why))
             transport.close()
@@ -162,7 +162,7 @@ class GuardedH11(H11Protocol):
     def connection_lost(self, exc) -> None:
         if self._host is None:         # refused at accept: never served
             return
-        self.connections.open.remove(self._host)
+        self.guard.open.remove(self._host)
         self._host = None
         self._disarm()
         self._cancel_send_timer()
@@ -228,4 +228,4 @@ class GuardedH11(H11Protocol):
 
 def guarded_protocol(connections: Connections) -> type:
     """A GuardedH11 class bound to `connections` (uvicorn builds one per connection from Config(http=...))."""
-    return type("Guarded", (GuardedH11,), {"connections": connections})
+    return type("Guarded", (GuardedH11,), {"guard": connections})
