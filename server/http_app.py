@@ -104,39 +104,41 @@ class HttpFrontEnd:
 
     def _post(self, handler: Callable[[Ctx, dict, str], Awaitable]):
         async def post(request: Request) -> Response:
-            refused = self._refused(request)
-            if refused is not None:
-                return refused
-            client = self.ctx.pipeline.clients.of_http(request.headers.get("authorization", ""),
-                                                       request.client.host if request.client else "")
-            hold = AnswerHold(self.ctx.pipeline.scheduler, client)
-            answer.begin(hold)              # the answer's bytes are held from its decoding until sent
-            sent = None                     # the answer that releases the hold itself, once written
-            try:
-                body = json_object(await self._body(request))
-                result = await handler(self.ctx, body, client)
-                if not isinstance(result, answer.Deferred):
-                    return _json(result)
-                content = await answer.off_loop(result.build)        # never on the shared event loop
-                sent = ChunkedJson(content, hold, result.status)
-                return sent
-            except Failed as f:
-                o = f.outcome
-                return error_response(o.status, o.message, o.field, o.too_large)
-            except Exception as e:     # noqa: BLE001 (before or outside the pipeline: its status, in one place)
-                code, message = to_status(e)
-                return error_response(code, message, getattr(e, "field", None), isinstance(e, TooLarge))
-            finally:
-                if sent is None:            # answered here, refused, failed or cancelled: nothing more to send
-                    hold.release()
+            response = self._refused(request)
+            if response is None:
+                response = await self._answer(handler, request)
+            return response
         return post
+
+    async def _answer(self, handler: Callable[[Ctx, dict, str], Awaitable], request: Request) -> Response:
+        """The handler's answer to the request's JSON body, or the error it ended with; the answer's bytes are
+        held in the memory budget from its decoding until they are sent."""
+        client = self.ctx.pipeline.clients.of_http(request.headers.get("authorization", ""),
+                                                   request.client.host if request.client else "")
+        hold = AnswerHold(self.ctx.pipeline.scheduler, client)
+        answer.begin(hold)
+        response = None
+        try:
+            result = await handler(self.ctx, json_object(await self._body(request)), client)
+            if isinstance(result, answer.Deferred):
+                response = ChunkedJson(await answer.off_loop(result.build), hold, result.status)   # never on the loop
+            else:
+                response = _json(result)
+        except Failed as f:
+            o = f.outcome
+            response = error_response(o.status, o.message, o.field, o.too_large)
+        except Exception as e:     # noqa: BLE001 (before or outside the pipeline: its status, in one place)
+            code, message = to_status(e)
+            response = error_response(code, message, getattr(e, "field", None), isinstance(e, TooLarge))
+        finally:
+            if not isinstance(response, ChunkedJson):   # answered here, refused, failed or cancelled: nothing to send
+                hold.release()
+        return response
 
     def _refused(self, request: Request) -> Optional[Response]:
         """A refusal before the body is read: no or a wrong bearer token (401 / 403)."""
-        if self._auth is None:
-            return None
-        refusal = self._auth.check(request.headers.get("authorization", ""), request.url.path,
-                                   "header 'Authorization: Bearer <token>'")
+        refusal = None if self._auth is None else self._auth.check(
+            request.headers.get("authorization", ""), request.url.path, "header 'Authorization: Bearer <token>'")
         return None if refusal is None else error_response(*refusal)
 
     async def _body(self, request: Request) -> bytes:

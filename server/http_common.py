@@ -187,12 +187,14 @@ class Ctx:
             raise InvalidRequest(field, need)
         if texts and all(isinstance(x, str) for x in items):
             self.pipeline.check_rows(len(items), field)
-            return Prompts(await self.pipeline.tokenize(items, special, client, field), items, not one)
-        if ids and is_id_list(items):
-            return Prompts((self.ids(items, field),), None, False)
-        if not ids:
+            prompts = Prompts(await self.pipeline.tokenize(items, special, client, field), items, not one)
+        elif ids and is_id_list(items):
+            prompts = Prompts((self.ids(items, field),), None, False)
+        elif ids:
+            prompts = Prompts(self.id_lists(items, field), None, True)
+        else:
             raise InvalidRequest(field, need)
-        return Prompts(self.id_lists(items, field), None, True)
+        return prompts
 
     async def collect(self, r: Request, decoded: Decoded) -> Dense:
         """Run `decoded` as request `r`, its pieces into per-sequence arrays, held in the memory budget with the

@@ -149,14 +149,6 @@ def _openai_block(tokens: list, steps: list, k: int, offset0: int = 0) -> dict:
     return {"text_offset": offsets, "token_logprobs": token_logprobs, "tokens": tokens, "top_logprobs": top}
 
 
-async def _prompts(ctx: Ctx, prompt: Any, special: bool, client: str):
-    """vLLM's prompt: ids, a list of id lists, a text or a list of texts (http_common.Prompts)."""
-    if prompt is None or prompt == "" or prompt == []:
-        raise InvalidRequest("prompt", "a prompt is needed: token ids, a list of them, a text or a list of texts")
-    return await ctx.prompts(prompt, "prompt", client, f"token ids, a list of them, a text or a list of texts; got "
-                                                       f"{type(prompt).__name__}", special)
-
-
 @dataclass(frozen=True)
 class CompletionsPlan:
     """What /v1/completions decoded, for its encoding: the typed fields, the prompts and what to list."""
@@ -193,7 +185,11 @@ async def _completions_plan(ctx: Ctx, body: dict, client: str) -> tuple[Completi
     if prompt_k is None and echo:          # vLLM: echo with logprobs turns prompt logprobs on
         prompt_k = sample_k
     gen = _generate_count(p.get("max_tokens"))
-    prompts = await _prompts(ctx, body.get("prompt"), p.get("add_special_tokens", True), client)
+    prompt = body.get("prompt")       # vLLM's: ids, a list of id lists, a text or a list of texts
+    if prompt is None or prompt == "" or prompt == []:
+        raise InvalidRequest("prompt", "a prompt is needed: token ids, a list of them, a text or a list of texts")
+    prompts = await ctx.prompts(prompt, "prompt", client, f"token ids, a list of them, a text or a list of texts; "
+                                                          f"got {type(prompt).__name__}", p.get("add_special_tokens", True))
     seqs, start = prompts.seqs, p.get("prompt_logprob_start")
     spec = ScoreSpec(_temperature(p.get("temperature")), logprobs=prompt_k is not None,
                      k=max(prompt_k or 0, sample_k or 0), generate=bool(gen),

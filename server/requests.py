@@ -16,6 +16,7 @@ from typing import AsyncGenerator, AsyncIterator, Callable, Iterator, Optional
 
 import grpc
 
+from logitserve.cost import Cost
 from logitserve.engine import Piece, SharedTokens
 from logitserve.errors import InvalidRequest, NotSupported, OverLimit, TooLarge, Unavailable
 from logitserve.spec import Job
@@ -139,27 +140,28 @@ class Pipeline:
         task.add_done_callback(self._requests.discard)
 
     # -- admission ---------------------------------------------------------------------------------------------
-    def stream_refusal(self, open_streams: int, client: str) -> Optional[tuple[grpc.StatusCode, str]]:
-        """(code, message) when a new stream must be refused, else None (the stream is then the client's:
-        close it with clients.close_stream)."""
+    def open_stream(self, open_streams: int, client: str) -> None:
+        """A new stream of `client` (close it with clients.close_stream); Unavailable while draining, OverLimit
+        past --max-streams or --max-streams-per-client."""
         if self._draining:
-            return grpc.StatusCode.UNAVAILABLE, SHUTTING_DOWN
+            raise Unavailable(SHUTTING_DOWN)
         limit = self.stream_limits.max_streams
         if open_streams >= limit:
-            return (grpc.StatusCode.RESOURCE_EXHAUSTED, f"streams: {open_streams} open, the server's --max-streams is "
-                    f"{limit}; retry later or share a stream")
+            raise OverLimit(f"streams: {open_streams} open, the server's --max-streams is {limit}; retry later or "
+                            f"share a stream")
         mine = self.clients.open_stream(client)
-        return None if mine is None else (grpc.StatusCode.RESOURCE_EXHAUSTED, mine)
+        if mine is not None:
+            raise OverLimit(mine)
 
-    def request_refusal(self, in_flight_on_stream: int) -> Optional[tuple[grpc.StatusCode, str]]:
-        """(code, message) when a new request on a stream must be refused before it is decoded."""
+    def check_request(self, in_flight_on_stream: int) -> None:
+        """A new request on a stream, before it is decoded: Unavailable while draining, OverLimit past
+        --max-in-flight-per-stream."""
         if self._draining:
-            return grpc.StatusCode.UNAVAILABLE, SHUTTING_DOWN
+            raise Unavailable(SHUTTING_DOWN)
         limit = self.stream_limits.max_in_flight
         if in_flight_on_stream >= limit:
-            return (grpc.StatusCode.RESOURCE_EXHAUSTED, f"requests in flight: {in_flight_on_stream} on this stream, "
-                    f"the server's --max-in-flight-per-stream is {limit}")
-        return None
+            raise OverLimit(f"requests in flight: {in_flight_on_stream} on this stream, the server's "
+                            f"--max-in-flight-per-stream is {limit}")
 
     @contextlib.contextmanager
     def admitted(self, client: str) -> Iterator[None]:
@@ -196,15 +198,13 @@ class Pipeline:
         self.check_rows(len(job.sequences), "sequences")
         self.check_tokens(job.num_tokens)
 
-    def _check_cost(self, job: Job):
-        """The validated request's Cost; TooLarge when its answer is over --max-response-bytes."""
-        cost = self.scheduler.cost(job)
+    def _check_cost(self, cost: Optional[Cost]) -> None:
+        """TooLarge when the validated request's answer is over --max-response-bytes."""
         limit = self.stream_limits.max_response_bytes
         if cost is not None and cost.output_bytes > limit:
             raise TooLarge(f"outputs: this request's answer would be {cost.output_bytes / 2**20:.0f} MiB, over the "
                            f"server's --max-response-bytes {limit / 2**20:.0f} MiB; ask for fewer sequences, a "
                            f"smaller k or a smaller full-logits slice per request")
-        return cost
 
     async def tokenize(self, texts: list[str], add_special_tokens: bool, client: str, field: str = "texts",
                        offsets: bool = False) -> tuple:
@@ -260,7 +260,7 @@ class Pipeline:
                 raise
             r.outcome = Outcome(grpc.StatusCode.UNAVAILABLE, ENDED_BY_SHUTDOWN, r.job)   # the grace period is over
         except Exception as e:      # noqa: BLE001 (every error becomes its status, in one place)
-            r.outcome = r.failure(e)
+            r.fail(e)
         finally:
             account(self.metrics, rid, r.job, r.outcome.status if r.outcome else grpc.StatusCode.CANCELLED,
                     time.monotonic() - started)
@@ -269,7 +269,7 @@ class Pipeline:
 
 
 class Request:
-    """One admitted request: `run(decoded)` yields its pieces; `outcome` says how it ended (set on leaving
+    """One admitted request: `run(decoded)` yields its pieces (once); `outcome` says how it ended (set on leaving
     Pipeline.request)."""
 
     def __init__(self, pipeline: Pipeline, rid: str, client: str):
@@ -281,20 +281,17 @@ class Request:
         self.outcome: Optional[Outcome] = None
         self.deadline: Optional[asyncio.Timeout] = None   # armed by run() with the request's timeout
         self._decoded: Optional[Decoded] = None
-        self._pieces: Optional[AsyncGenerator] = None
+        self._stream: Optional[AsyncGenerator] = None     # the scheduler's stream of the job, once it is admitted
 
-    def run(self, decoded: Decoded) -> AsyncIterator[Piece]:
-        """Check `decoded` (size, validation, cost, deadline), then its pieces under its deadline: INPUT_IDS
+    async def run(self, decoded: Decoded) -> AsyncIterator[Piece]:
+        """Check `decoded` (size, validation, cost, deadline), then yield its pieces under its deadline: INPUT_IDS
         first for texts, then the scheduler's (SharedTokens counted here, not yielded)."""
-        assert self._pieces is None, "one run per request"
-        self._pieces = self._stream(decoded)
-        return self._pieces
-
-    async def _stream(self, decoded: Decoded) -> AsyncGenerator[Piece, None]:
+        assert self._stream is None, "one run per request"
         pipeline, self.job, self._decoded = self._pipeline, decoded.job, decoded
         pipeline._check_size(decoded.job)
         pipeline._validate(decoded)
-        cost = pipeline._check_cost(decoded.job)
+        cost = pipeline.scheduler.cost(decoded.job)
+        pipeline._check_cost(cost)
         t = decoded.timeout
         if t is not None:
             if not (t > 0 and t < float("inf")):
@@ -302,27 +299,29 @@ class Request:
             self.deadline.reschedule(asyncio.get_running_loop().time() + t)
         for piece in codec.input_id_pieces(decoded.text_ids, decoded.text_offsets):
             yield piece
-        stream = pipeline.scheduler.stream(decoded.job, self.client, decoded.hold, cost)
-        async with contextlib.aclosing(stream):
-            async for piece in stream:
-                if isinstance(piece, SharedTokens):
-                    self.shared += piece.tokens
-                    pipeline.count_shared(piece.tokens)
-                    continue
-                yield piece
+        self._stream = pipeline.scheduler.stream(decoded.job, self.client, decoded.hold, cost)
+        async for piece in self._stream:
+            if isinstance(piece, SharedTokens):
+                self.shared += piece.tokens
+                pipeline.count_shared(piece.tokens)
+                continue
+            yield piece
         self.deadline.reschedule(None)     # done: what the front-end does next is not under the deadline
 
-    def failure(self, e: Exception) -> Outcome:
-        """The Outcome of an exception raised in the request's block; TimeoutError of its deadline names the
+    def fail(self, e: Exception) -> None:
+        """The outcome of an exception raised in the request's block; a TimeoutError of its deadline names the
         request's timeout field."""
         if isinstance(e, TimeoutError) and self.deadline is not None and self.deadline.expired():
             d = self._decoded
-            return Outcome(grpc.StatusCode.DEADLINE_EXCEEDED, f"{d.timeout_field}: request {self.rid!r} did not "
-                           f"finish within {d.timeout:g} s", self.job)
-        status, message = to_status(e)
-        return Outcome(status, message, self.job, field=getattr(e, "field", None), too_large=isinstance(e, TooLarge))
+            self.outcome = Outcome(grpc.StatusCode.DEADLINE_EXCEEDED, f"{d.timeout_field}: request {self.rid!r} did "
+                                   f"not finish within {d.timeout:g} s", self.job)
+        else:
+            status, message = to_status(e)
+            self.outcome = Outcome(status, message, self.job, field=getattr(e, "field", None),
+                                   too_large=isinstance(e, TooLarge))
 
     async def aclose(self) -> None:
-        """The run's pieces are given up (the block ended before they did): the scheduler drops the job now."""
-        if self._pieces is not None:
-            await self._pieces.aclose()
+        """The block is left: the scheduler lets go of the job now (it is dropped if it never ended), not when a
+        generator left suspended is collected."""
+        if self._stream is not None:
+            await self._stream.aclose()

@@ -8,7 +8,7 @@ from typing import Optional
 
 import grpc
 
-from logitserve.errors import InvalidRequest, NotSupported
+from logitserve.errors import InvalidRequest, LogitServeError, NotSupported
 from logitserve.v1 import logitserve_pb2 as pb
 from logitserve.v1 import logitserve_pb2_grpc as pb_grpc
 
@@ -75,17 +75,19 @@ class LogitServeServicer(pb_grpc.LogitServeServicer):
 
     async def Forward(self, request_iterator, context):
         client = self._pipeline.clients.of_grpc(context)
-        refusal = self._pipeline.stream_refusal(len(self._streams), client)
-        if refusal is not None:       # a generator RPC ends with a status this way (abort() here gives INTERNAL)
-            context.set_code(refusal[0])
-            context.set_details(refusal[1])
-            return
         try:
-            async with contextlib.aclosing(self._stream(request_iterator, context, client)) as items:
-                async for item in items:
-                    yield item
-        finally:
-            self._pipeline.clients.close_stream(client)
+            self._pipeline.open_stream(len(self._streams), client)
+        except LogitServeError as e:   # a generator RPC ends with a status this way (abort() here gives INTERNAL)
+            code, message = to_status(e)
+            context.set_code(code)
+            context.set_details(message)
+        else:
+            try:
+                async with contextlib.aclosing(self._stream(request_iterator, context, client)) as items:
+                    async for item in items:
+                        yield item
+            finally:
+                self._pipeline.clients.close_stream(client)
 
     async def _stream(self, request_iterator, context, client: str):
         """The stream's messages as its requests produce them; its status set when it ends early."""
@@ -130,9 +132,11 @@ class LogitServeServicer(pb_grpc.LogitServeServicer):
         elif rid in s.in_flight:
             refusal = to_status(InvalidRequest("request_id", f"{rid!r} is already in flight on this stream"))
         else:
-            refusal = self._pipeline.request_refusal(len(s.in_flight))
-            if refusal is None:
+            try:
+                self._pipeline.check_request(len(s.in_flight))
                 s.start(rid, self._serve_one(req, s))
+            except LogitServeError as e:
+                refusal = to_status(e)
         if refusal is not None:
             await s.emit(codec.encode_error(rid, *refusal))
 
@@ -217,10 +221,10 @@ class _Stream:
             self.in_flight[rid].cancel()
 
     def cancelled_by_client(self, rid: str) -> bool:
-        if rid not in self._cancel_requested:
-            return False
+        """Whether `rid` was cancelled by the client's cancel message (asked once: the answer is then forgotten)."""
+        asked = rid in self._cancel_requested
         self._cancel_requested.discard(rid)
-        return True
+        return asked
 
     async def messages(self, reader: asyncio.Task):
         """The outbox's messages until the reader and every request are done (or draining and idle), or the
@@ -235,12 +239,15 @@ class _Stream:
     async def _next(self):
         """The next outbox item; None once nothing is in flight and no request came for --stream-idle-s."""
         idle_s = self._pipeline.clients.limits.stream_idle_s
-        while not self.tasks and self.out.empty():
-            try:
-                return await asyncio.wait_for(self.out.get(), idle_s)
-            except TimeoutError:
-                if not self.tasks and time.monotonic() - self.last_seen >= idle_s:   # no request came meanwhile
-                    self.broken = (grpc.StatusCode.UNAVAILABLE, f"stream idle: no request in flight for {idle_s:g} "
-                                   f"s (the server's --stream-idle-s); open a new stream")
-                    return None
-        return await self.out.get()
+        item, idle = None, False
+        while item is None and not idle:
+            if self.tasks or not self.out.empty():
+                item = await self.out.get()
+                continue
+            with contextlib.suppress(TimeoutError):    # nothing in flight: the stream may sit idle this long
+                item = await asyncio.wait_for(self.out.get(), idle_s)
+            idle = item is None and not self.tasks and time.monotonic() - self.last_seen >= idle_s
+        if idle and self.broken is None:
+            self.broken = (grpc.StatusCode.UNAVAILABLE, f"stream idle: no request in flight for {idle_s:g} s (the "
+                           f"server's --stream-idle-s); open a new stream")
+        return item
