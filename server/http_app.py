@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import socket
 import ssl
@@ -103,36 +104,32 @@ class HttpFrontEnd:
         return get
 
     def _post(self, handler: Callable[[Ctx, dict, str], Awaitable]):
-        async def post(request: Request) -> Response:
-            response = self._refused(request)
-            if response is None:
-                response = await self._answer(handler, request)
-            return response
-        return post
+        return functools.partial(self._answer, handler)
 
     async def _answer(self, handler: Callable[[Ctx, dict, str], Awaitable], request: Request) -> Response:
-        """The handler's answer to the request's JSON body, or the error it ended with; the answer's bytes are
-        held in the memory budget from its decoding until they are sent."""
-        client = self.ctx.pipeline.clients.of_http(request.headers.get("authorization", ""),
-                                                   request.client.host if request.client else "")
-        hold = AnswerHold(self.ctx.pipeline.scheduler, client)
-        answer.begin(hold)
-        response = None
-        try:
-            result = await handler(self.ctx, json_object(await self._body(request)), client)
-            if isinstance(result, answer.Deferred):
-                response = ChunkedJson(await answer.off_loop(result.build), hold, result.status)   # never on the loop
-            else:
-                response = _json(result)
-        except Failed as f:
-            o = f.outcome
-            response = error_response(o.status, o.message, o.field, o.too_large)
-        except Exception as e:     # noqa: BLE001 (before or outside the pipeline: its status, in one place)
-            code, message = to_status(e)
-            response = error_response(code, message, getattr(e, "field", None), isinstance(e, TooLarge))
-        finally:
-            if not isinstance(response, ChunkedJson):   # answered here, refused, failed or cancelled: nothing to send
-                hold.release()
+        """A POST route: the handler's answer to the request's JSON body, or the error it ended with (or the
+        token's refusal); the answer's bytes are held in the memory budget from its decoding until sent."""
+        response = self._refused(request)
+        if response is None:
+            client = self.ctx.pipeline.clients.of_http(request.headers.get("authorization", ""),
+                                                       request.client.host if request.client else "")
+            hold = AnswerHold(self.ctx.pipeline.scheduler, client)
+            answer.begin(hold)
+            try:
+                result = await handler(self.ctx, json_object(await self._body(request)), client)
+                if isinstance(result, answer.Deferred):     # encoded on a worker thread, never on the loop
+                    response = ChunkedJson(await answer.off_loop(result.build), hold, result.status)
+                else:
+                    response = _json(result)
+            except Failed as f:
+                o = f.outcome
+                response = error_response(o.status, o.message, o.field, o.too_large)
+            except Exception as e:     # noqa: BLE001 (before or outside the pipeline: its status, in one place)
+                code, message = to_status(e)
+                response = error_response(code, message, getattr(e, "field", None), isinstance(e, TooLarge))
+            finally:
+                if not isinstance(response, ChunkedJson):   # answered, refused, failed or cancelled: all sent
+                    hold.release()
         return response
 
     def _refused(self, request: Request) -> Optional[Response]:
