@@ -6,6 +6,7 @@ import asyncio
 import logging
 import os
 import sys
+from typing import NoReturn, Optional
 
 
 def _serve_parser(sub, formatter) -> None:
@@ -174,28 +175,13 @@ def _broken_extras() -> list[str]:
 
 
 def _cmd_serve(args, argv: list[str]) -> int:
-    missing = _missing_server_extras()
-    if missing:
-        print(f"logitserve serve needs the server extras, missing here: {', '.join(missing)}.\n"
-              f"Install them with: {INSTALL_SERVER}", file=sys.stderr)
-        return 2
-    broken = _broken_extras()
-    if broken:
-        print("\n".join(broken), file=sys.stderr)
-        return 2
-    import torch
-    from transformers.utils import logging as hf_logging
-
-    from logitserve.engine import Batching, EngineConfig
+    code = _check_extras()
+    if code is not None:
+        return code
     from logitserve.parallel import ParallelConfig
 
-    from .app import ModelConfig, PortInUse, ServerConfig, check_port_free, serve, serve_rank
-    from .scheduler import SchedulerConfig
-    from .security import SecurityConfig
-    from .admission import ClientLimits
-    from .http_conn import HttpLimits
+    from .app import ModelConfig, PortInUse, serve, serve_rank
     from .head_rpc import HeadLimits
-    from .requests import StreamLimits
     from .launch import spawn_local, under_torchrun
 
     try:
@@ -205,7 +191,53 @@ def _cmd_serve(args, argv: list[str]) -> int:
     except ValueError as e:
         print(f"logitserve: {e}", file=sys.stderr)
         return 2
+    code = _check_before_start(args, parallel.world_size)
+    if code is not None:
+        return code
+    if parallel.world_size > 1 and not under_torchrun():
+        return spawn_local(argv[1:], parallel.world_size, args.threads)
+    _tune_process(args)
+    model = ModelConfig(path=args.model, demo=args.demo, demo_shape=args.demo_shape, dtype=args.dtype,
+                        max_seq_len=args.max_seq_len, step_separator=args.step_separator)
+    config = _server_config(args, head_limits)
+    if under_torchrun():
+        # The rank is done and its process groups destroyed; the interpreter's own teardown can still
+        # meet a joinable gloo thread and abort ("terminate called without an active exception",
+        # seen once in 2x2 at SIGTERM), so leave now with the rank's real exit code.
+        _leave(serve_rank(model, config, parallel))
+    import dataclasses
+
+    try:
+        code = asyncio.run(serve(dataclasses.replace(model, device=args.device), config))
+    except PortInUse as e:
+        print(f"logitserve: {e}", file=sys.stderr)
+        return 1
+    # As under torchrun: a compute thread still inside torch at interpreter teardown aborts the process
+    # ("terminate called without an active exception"); the server is done, so leave with its exit code.
+    _leave(code)
+
+
+def _check_extras() -> Optional[int]:
+    """Exit code 2, said why, when the server's extras are missing or do not load; None when they are fine."""
+    missing = _missing_server_extras()
+    if missing:
+        print(f"logitserve serve needs the server extras, missing here: {', '.join(missing)}.\n"
+              f"Install them with: {INSTALL_SERVER}", file=sys.stderr)
+        return 2
+    broken = _broken_extras()
+    if broken:
+        print("\n".join(broken), file=sys.stderr)
+        return 2
+    return None
+
+
+def _check_before_start(args, world_size: int) -> Optional[int]:
+    """The checks before any rank starts (versions, the model directory and its layout, timeouts, free ports):
+    an exit code, said why, or None when serving may start."""
     from logitserve.preflight import StartupError, check_layout, check_model_dir, check_versions
+
+    from .app import PortInUse, check_port_free
+    from .launch import under_torchrun
 
     if not under_torchrun():       # once, before any rank starts (under torchrun: every rank checks alike)
         try:
@@ -215,7 +247,7 @@ def _cmd_serve(args, argv: list[str]) -> int:
         except StartupError as e:
             print(f"logitserve: {e}", file=sys.stderr)
             return 2
-    if parallel.world_size > 1 and not args.stall_timeout < args.collective_timeout:
+    if world_size > 1 and not args.stall_timeout < args.collective_timeout:
         print(f"logitserve: --stall-timeout {args.stall_timeout:g} must be below --collective-timeout "
               f"{args.collective_timeout:g}: the other ranks wait in a collective while rank 0 waits on a slow "
               f"reader", file=sys.stderr)
@@ -227,8 +259,14 @@ def _cmd_serve(args, argv: list[str]) -> int:
         except PortInUse as e:
             print(f"logitserve: {e}", file=sys.stderr)
             return 1
-    if parallel.world_size > 1 and not under_torchrun():
-        return spawn_local(argv[1:], parallel.world_size, args.threads)
+    return None
+
+
+def _tune_process(args) -> None:
+    """malloc, the GIL's switch interval, torch's threads; no download progress bars."""
+    import torch
+    from transformers.utils import logging as hf_logging
+
     serves_on_cpu = args.device == "cpu" or (args.device == "auto" and not torch.cuda.is_available())
     if not args.no_malloc_tuning and serves_on_cpu:   # tuned for CPU serving's big host tensors; a GPU server's
         from logitserve.hostmem import tune_host_malloc    # host side keeps glibc's defaults
@@ -241,50 +279,44 @@ def _cmd_serve(args, argv: list[str]) -> int:
     threads = args.threads or int(os.environ.get("OMP_NUM_THREADS", "0"))
     if threads:
         torch.set_num_threads(threads)
-    model = ModelConfig(path=args.model, demo=args.demo, demo_shape=args.demo_shape, dtype=args.dtype,
-                        max_seq_len=args.max_seq_len, step_separator=args.step_separator)
+
+
+def _server_config(args, head_limits):
+    """The ServerConfig the serve flags describe, one flag to one field."""
+    from logitserve.engine import Batching, EngineConfig
+
+    from .admission import ClientLimits
+    from .app import ServerConfig
+    from .http_conn import HttpLimits
+    from .requests import StreamLimits
+    from .scheduler import SchedulerConfig
+    from .security import SecurityConfig
+
     scheduler = SchedulerConfig(max_batch_tokens=args.max_batch_tokens, batch_delay_s=args.batch_delay_ms / 1e3,
                                 max_queued_tokens=args.max_queued_tokens, memory_budget_bytes=args.memory_budget,
                                 stall_timeout_s=args.stall_timeout, overlap=not args.no_overlap,
                                 max_buffered_bytes=args.max_buffered_bytes,
                                 max_queued_tokens_per_client=args.max_queued_tokens_per_client)
-    config = ServerConfig(host=args.host, port=args.port, max_message_bytes=args.max_message_bytes,
-                          max_request_bytes=args.max_request_bytes,
-                          engine=EngineConfig(chunk_size=args.logprob_chunk_size, batching=Batching(args.batching),
-                                              max_pack_tokens=args.max_batch_tokens,
-                                              min_shared_prefix=args.min_shared_prefix,
-                                              pp_microbatch_tokens=args.pp_microbatch_tokens), scheduler=scheduler,
-                          security=SecurityConfig(args.tls_cert, args.tls_key, args.tls_client_ca,
-                                                  args.auth_token_file), metrics_port=args.metrics_port,
-                          http_port=args.http_port, http=HttpLimits(
-                              args.http_max_connections, args.http_max_connections_per_client,
-                              args.http_header_timeout_s, args.http_body_timeout_s, args.http_keepalive_s,
-                              send_timeout_s=args.http_send_timeout_s), served_model_names=tuple(args.served_model_name or ()),
-                          metrics_host=args.metrics_host,
-                          grace_s=args.grace_s, keepalive_s=args.keepalive_s,
-                          limits=StreamLimits(args.max_sequences_per_request, args.max_request_tokens,
-                                              args.max_streams, args.max_in_flight_per_stream, args.max_text_bytes,
-                                              args.max_response_bytes),
-                          clients=ClientLimits(args.max_streams_per_client, args.max_in_flight_per_client,
-                                               args.stream_idle_s, args.max_in_flight), head=head_limits)
-    if under_torchrun():
-        code = serve_rank(model, config, parallel)
-        # The rank is done and its process groups destroyed; the interpreter's own teardown can still
-        # meet a joinable gloo thread and abort ("terminate called without an active exception",
-        # seen once in 2x2 at SIGTERM), so leave now with the rank's real exit code.
-        logging.shutdown()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
-    import dataclasses
+    engine = EngineConfig(chunk_size=args.logprob_chunk_size, batching=Batching(args.batching),
+                          max_pack_tokens=args.max_batch_tokens, min_shared_prefix=args.min_shared_prefix,
+                          pp_microbatch_tokens=args.pp_microbatch_tokens)
+    http = HttpLimits(args.http_max_connections, args.http_max_connections_per_client, args.http_header_timeout_s,
+                      args.http_body_timeout_s, args.http_keepalive_s, send_timeout_s=args.http_send_timeout_s)
+    return ServerConfig(host=args.host, port=args.port, max_message_bytes=args.max_message_bytes,
+                        max_request_bytes=args.max_request_bytes, engine=engine, scheduler=scheduler,
+                        security=SecurityConfig(args.tls_cert, args.tls_key, args.tls_client_ca, args.auth_token_file),
+                        metrics_port=args.metrics_port, http_port=args.http_port, http=http,
+                        served_model_names=tuple(args.served_model_name or ()), metrics_host=args.metrics_host,
+                        grace_s=args.grace_s, keepalive_s=args.keepalive_s,
+                        limits=StreamLimits(args.max_sequences_per_request, args.max_request_tokens,
+                                            args.max_streams, args.max_in_flight_per_stream, args.max_text_bytes,
+                                            args.max_response_bytes),
+                        clients=ClientLimits(args.max_streams_per_client, args.max_in_flight_per_client,
+                                             args.stream_idle_s, args.max_in_flight), head=head_limits)
 
-    try:
-        code = asyncio.run(serve(dataclasses.replace(model, device=args.device), config))
-    except PortInUse as e:
-        print(f"logitserve: {e}", file=sys.stderr)
-        return 1
-    # As under torchrun: a compute thread still inside torch at interpreter teardown aborts the process
-    # ("terminate called without an active exception"); the server is done, so leave with its exit code.
+
+def _leave(code: int) -> NoReturn:
+    """Exit now with `code`, logs and output flushed, without the interpreter's teardown (see _cmd_serve)."""
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()

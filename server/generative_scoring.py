@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 import numpy as np
 
@@ -83,10 +83,7 @@ async def _items(ctx: Ctx, value: Any, client: str) -> tuple:
 
 async def generative_scoring(ctx: Ctx, body: dict, client: str) -> dict:
     """POST /generative_scoring: data[{index, object: "score", score}] per item."""
-    plan: Optional[GenerativePlan] = None
-
-    async def decode() -> Decoded:
-        nonlocal plan
+    async with ctx.pipeline.request(new_id("genscore"), client) as r:
         if ctx.loaded.kind is not ModelKind.CAUSAL_LM:
             raise NotSupported("model", "this server holds a reward model: POST /get_reward, /classify or /score")
         p = fields(body, GENERATIVE)
@@ -102,12 +99,11 @@ async def generative_scoring(ctx: Ctx, body: dict, client: str) -> dict:
         plan = GenerativePlan(tuple(len(x) for x in prompts), p.get("apply_softmax", True))
         job = Job(sequences=seqs, candidates=tuple(labels[None] for _ in seqs),
                   prompt_lengths=tuple(len(x) for x in prompts))
-        return Decoded(job, sequences_field="items")
+        out = await ctx.collect(r, Decoded(job, sequences_field="items"))
 
-    _, out = await ctx.run(new_id("genscore"), client, decode)
     data = []
-    for i, lp in enumerate(out.arrays[OutputKind.CANDIDATE_LOGPROBS]):
-        lp = lp[0].astype(np.float64)                                   # [c] log p(label | prompt)
+    for i in range(len(plan.lengths)):
+        lp = out.of(OutputKind.CANDIDATE_LOGPROBS, i)[0].astype(np.float64)   # [c] log p(label | prompt)
         if plan.softmax:
             e = np.exp(lp - lp.max())
             score = e[0] / e.sum()

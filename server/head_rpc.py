@@ -8,7 +8,9 @@ that long loses its server-wide slot at once and its download ends RESOURCE_EXHA
 client's slot stays held until the call is really over (the client reads the status or goes
 away), so one client cannot pile up unread downloads, each holding a band in the transport.
 A download the client cancels (or the server's stop ends) logs one line, never a traceback.
-`info_only` requests send one small message and take no slot.
+`info_only` requests send one small message and take no slot. Every call is first admitted as a
+Forward request is (server/requests.py: refused UNAVAILABLE while draining, counted among its
+client's requests in flight, ended with the others when the grace period is over).
 """
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ from typing import Optional
 
 import grpc
 
-from logitserve.errors import NotSupported, OverLimit, Unavailable
+from logitserve.errors import LogitServeError, NotSupported, OverLimit
 from logitserve.v1 import logitserve_pb2 as pb
 
 from . import codec
@@ -117,28 +119,35 @@ class HeadRpc:
     def limits(self) -> HeadLimits:
         return self.slots.limits
 
-    async def serve(self, request: pb.HeadRequest, context, client: str, draining: bool) -> None:
-        """One Head call: refused with its status, or its messages written one by one under the stall bound."""
-        head = self._head
+    async def serve(self, request: pb.HeadRequest, context, client: str, admitted) -> None:
+        """One Head call: refused with its status, or its messages written one by one under the stall bound.
+        `admitted`: the request pipeline's admission (Pipeline.admitted: draining, requests in flight per
+        client), held for the whole call as a Forward request's."""
         try:
-            if head is None:
+            if self._head is None:
                 raise NotSupported("Head", "this server holds a reward model: it has no lm_head to send")
-            if draining:
-                raise Unavailable("the server is shutting down")
-            refusal = None if request.info_only else self.slots.take(client)
-            if refusal is not None:
-                raise OverLimit(refusal)
-        except Exception as e:   # noqa: BLE001 (its status, in one place)
+            with admitted(client):
+                if request.info_only:
+                    await self._send_info(context)
+                else:
+                    await self._download(context, client)
+        except LogitServeError as e:     # refused before any message: its status, in one place
             code, message = to_status(e)
             context.set_code(code)
             context.set_details(message)
-            return
-        if request.info_only:
-            try:
-                await self._write(context, await self._info())
-            except (_Stalled, _Gone):
-                raise asyncio.CancelledError() from None     # one small message never taken: nothing to log
-            return
+
+    async def _send_info(self, context) -> None:
+        """`info_only`: one small message, no download slot."""
+        try:
+            await self._write(context, await self._info())
+        except (_Stalled, _Gone):
+            raise asyncio.CancelledError() from None     # one small message never taken: nothing to log
+
+    async def _download(self, context, client: str) -> None:
+        """The whole head under a server-wide and a per-client slot (OverLimit when none is free)."""
+        refusal = self.slots.take(client)
+        if refusal is not None:
+            raise OverLimit(refusal)
         sent, running = 0, True
         try:
             async with contextlib.aclosing(self._messages()) as messages:
@@ -148,16 +157,7 @@ class HeadRpc:
         except _Stalled:
             self.slots.free_running()          # at once: the slot is for readers
             running = False
-            message = (f"Head: the reader took no message for {self.limits.stall_s:g} s (the server's "
-                       f"--head-stall-s) after {sent} messages; download cut, read as messages arrive")
-            log.warning("Head download for %s cut: no message taken for %g s (--head-stall-s) after %d messages",
-                        client, self.limits.stall_s, sent)
-            try:     # the status waits behind the queued band: it ends the call once the client reads or leaves
-                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, message)
-            except grpc.aio.AbortError:
-                raise
-            except (asyncio.CancelledError, Exception):   # noqa: BLE001 (the client left meanwhile: said already)
-                raise asyncio.CancelledError() from None
+            await self._cut(context, client, sent)
         except (asyncio.CancelledError, _Gone):
             log.info("Head download for %s ended early after %d messages: the client cancelled or disconnected, "
                      "or the server is stopping", client, sent)
@@ -166,6 +166,20 @@ class HeadRpc:
             if running:
                 self.slots.free_running()
             self.slots.free_client(client)
+
+    async def _cut(self, context, client: str, sent: int) -> None:
+        """A stalled reader's download ends RESOURCE_EXHAUSTED; its client's slot stays held until the status
+        is taken (the call is over): one client cannot pile up unread downloads."""
+        message = (f"Head: the reader took no message for {self.limits.stall_s:g} s (the server's "
+                   f"--head-stall-s) after {sent} messages; download cut, read as messages arrive")
+        log.warning("Head download for %s cut: no message taken for %g s (--head-stall-s) after %d messages",
+                    client, self.limits.stall_s, sent)
+        try:     # the status waits behind the queued band: it ends the call once the client reads or leaves
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, message)
+        except grpc.aio.AbortError:
+            raise
+        except (asyncio.CancelledError, Exception):   # noqa: BLE001 (the client left meanwhile: said already)
+            raise asyncio.CancelledError() from None
 
     async def _info(self) -> pb.HeadResponse:
         head = self._head

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import socket
 import ssl
@@ -29,8 +30,9 @@ from logitserve.errors import InvalidRequest, TooLarge
 from . import generative_scoring, openai_api, reward_api, sglang_api, trl_api
 from . import http_answer as answer
 from .http_answer import AnswerHold
-from .http_common import Ctx, Failed, json_object
+from .http_common import Ctx, json_object
 from .http_conn import AcceptErrorFilter, Connections, HttpLimits, guarded_protocol
+from .requests import Failed
 from .status import route_error, to_http, to_status
 
 log = logging.getLogger("logitserve.http")
@@ -107,40 +109,38 @@ class HttpFrontEnd:
         return get
 
     def _post(self, handler: Callable[[Ctx, dict, str], Awaitable]):
-        async def post(request: Request) -> Response:
-            refused = self._refused(request)
-            if refused is not None:
-                return refused
+        return functools.partial(self._answer, handler)
+
+    async def _answer(self, handler: Callable[[Ctx, dict, str], Awaitable], request: Request) -> Response:
+        """A POST route: the handler's answer to the request's JSON body, or the error it ended with (or the
+        token's refusal); the answer's bytes are held in the memory budget from its decoding until sent."""
+        response = self._refused(request)
+        if response is None:
             client = self.ctx.pipeline.clients.of_http(request.headers.get("authorization", ""),
                                                        request.client.host if request.client else "")
             hold = AnswerHold(self.ctx.pipeline.scheduler, client)
-            answer.begin(hold)              # the answer's bytes are held from its decoding until sent
-            sent = None                     # the answer that releases the hold itself, once written
+            answer.begin(hold)
             try:
-                body = json_object(await self._body(request))
-                result = await handler(self.ctx, body, client)
-                if not isinstance(result, answer.Deferred):
-                    return _json(result)
-                content = await answer.off_loop(result.build)        # never on the shared event loop
-                sent = ChunkedJson(content, hold, result.status)
-                return sent
+                result = await handler(self.ctx, json_object(await self._body(request)), client)
+                if isinstance(result, answer.Deferred):     # encoded on a worker thread, never on the loop
+                    response = ChunkedJson(await answer.off_loop(result.build), hold, result.status)
+                else:
+                    response = _json(result)
             except Failed as f:
                 o = f.outcome
-                return error_response(o.status, o.message, o.field, o.too_large)
+                response = error_response(o.status, o.message, o.field, o.too_large)
             except Exception as e:     # noqa: BLE001 (before or outside the pipeline: its status, in one place)
                 code, message = to_status(e)
-                return error_response(code, message, getattr(e, "field", None), isinstance(e, TooLarge))
+                response = error_response(code, message, getattr(e, "field", None), isinstance(e, TooLarge))
             finally:
-                if sent is None:            # answered here, refused, failed or cancelled: nothing more to send
+                if not isinstance(response, ChunkedJson):   # answered, refused, failed or cancelled: all sent
                     hold.release()
-        return post
+        return response
 
     def _refused(self, request: Request) -> Optional[Response]:
         """A refusal before the body is read: no or a wrong bearer token (401 / 403)."""
-        if self._auth is None:
-            return None
-        refusal = self._auth.check(request.headers.get("authorization", ""), request.url.path,
-                                   "header 'Authorization: Bearer <token>'")
+        refusal = None if self._auth is None else self._auth.check(
+            request.headers.get("authorization", ""), request.url.path, "header 'Authorization: Bearer <token>'")
         return None if refusal is None else error_response(*refusal)
 
     async def _body(self, request: Request) -> bytes:

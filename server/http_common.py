@@ -1,35 +1,28 @@
-"""What every HTTP front-end shares: typed JSON fields, token-id lists, a job run through the pipeline, token texts.
+"""What every HTTP front-end shares: typed JSON fields, prompts and token-id lists, a job's arrays, token texts.
 
-The vLLM, SGLang and TRL shapes (server/openai_api.py, sglang_api.py, trl_api.py) decode a JSON body
-into a Job with these helpers, run it with `Ctx.run` (the shared request pipeline: admission,
-limits, validation, scheduling, status) and encode the collected arrays. No math here.
+The vLLM, SGLang and TRL shapes (server/openai_api.py, sglang_api.py, trl_api.py) each read a
+request as `async with ctx.pipeline.request(...) as r` (the shared request pipeline: admission,
+limits, validation, scheduling, status), decode the JSON body into a plan and a Job with these
+helpers, collect its pieces with `Ctx.collect` and encode the arrays. No math here.
 """
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable
+from typing import Any, Optional
 
 import numpy as np
 import orjson
 
-from logitserve.errors import InvalidRequest, NotFound, TooLarge
-from logitserve.spec import Job, OutputKind
+from logitserve.errors import InvalidRequest, NotFound
 from logitserve.tokenizing import check_detokenize_count
 from logitserve.validate import check_candidates_per_row
 
 from .codec import check_name, shown_id
 from .http_answer import check_json_entries, hold_for_answer
 from .params import ParamTable
-from .requests import Decoded, Outcome, Pipeline
-
-
-class Failed(Exception):
-    """A request ended without an answer: its gRPC status, message and the field it names (if any)."""
-
-    def __init__(self, outcome: Outcome):
-        super().__init__(outcome.message)
-        self.outcome = outcome
+from .dense import Dense
+from .requests import Decoded, Pipeline, Request
 
 
 def fields(body: dict, table: ParamTable, where: str = "") -> dict[str, Any]:
@@ -76,20 +69,13 @@ def is_id_list(value: Any) -> bool:
     return isinstance(value, list) and (not value or not isinstance(value[0], (list, str)))
 
 
-@dataclass
-class Collected:
-    """Each output of each sequence as a numpy array, filled from the pipeline's pieces."""
+@dataclass(frozen=True)
+class Prompts:
+    """What a field holding "a text, a list of ids, or a list of either" held, as token ids."""
 
-    count: int
-    arrays: dict[OutputKind, list] = field(default_factory=dict)
-
-    async def add(self, piece) -> None:
-        per = self.arrays.setdefault(piece.output, [None] * self.count)
-        arr = per[piece.sequence]
-        t = piece.tensor.numpy()
-        if arr is None:
-            arr = per[piece.sequence] = np.zeros(piece.full_shape, dtype=t.dtype)
-        arr[tuple(slice(o, o + d) for o, d in zip(piece.offset, t.shape))] = t
+    seqs: tuple[np.ndarray, ...]          # int32 [L] per prompt
+    texts: Optional[list[str]]            # the prompts as sent, when texts (the server tokenized them)
+    batched: bool                         # a list of prompts, not one text or one list of ids
 
 
 class TokenTexts:
@@ -190,25 +176,33 @@ class Ctx:
     async def tokenize(self, texts: list[str], special: bool, client: str, where: str) -> tuple:
         return await self.pipeline.tokenize(texts, special, client, where)
 
-    async def run(self, rid: str, client: str, decode: Callable[[], Awaitable[Decoded]]) -> tuple[Job, Collected]:
-        """Run a request through the shared pipeline; Failed (with its status) unless it succeeded."""
-        box: dict = {}
+    async def prompts(self, value: Any, field: str, client: str, need: str, special: bool = True,
+                      texts: bool = True, ids: bool = True) -> Prompts:
+        """A text, a list of texts, a list of ids or a list of id lists (those of them the route takes: `texts`,
+        `ids`), as token ids; their count and size checked before anything is tokenized or converted. `need`:
+        the route's message for a value that is none of them (an empty one included)."""
+        one = texts and isinstance(value, str)
+        items = [value] if one else value
+        if not isinstance(items, list) or not items:
+            raise InvalidRequest(field, need)
+        if texts and all(isinstance(x, str) for x in items):
+            self.pipeline.check_rows(len(items), field)
+            prompts = Prompts(await self.pipeline.tokenize(items, special, client, field), items, not one)
+        elif ids and is_id_list(items):
+            prompts = Prompts((self.ids(items, field),), None, False)
+        elif ids:
+            prompts = Prompts(self.id_lists(items, field), None, True)
+        else:
+            raise InvalidRequest(field, need)
+        return prompts
 
-        async def decoded() -> Decoded:
-            d = await decode()
-            cost = self.pipeline.scheduler.cost(d.job)     # the dense arrays the pieces are collected into
-            if cost is not None and cost.output_bytes <= self.max_response_bytes:   # else refused next, saying so
-                hold_for_answer(cost.output_bytes, "the answer's arrays")
-            box["c"] = Collected(len(d.job.sequences))
-            return d
-
-        async def sink(piece) -> None:
-            await box["c"].add(piece)
-
-        outcome = await self.pipeline.run(rid, client, decoded, sink)
-        if not outcome.ok:
-            raise Failed(outcome)
-        return outcome.job, box["c"]
+    async def collect(self, r: Request, decoded: Decoded) -> Dense:
+        """Run `decoded` as request `r`, its pieces into per-sequence arrays, held in the memory budget with the
+        answer (server/http_answer.py) unless over --max-response-bytes (the pipeline refuses that next)."""
+        cost = self.pipeline.scheduler.cost(decoded.job)
+        if cost is not None and cost.output_bytes <= self.max_response_bytes:
+            hold_for_answer(cost.output_bytes, "the answer's arrays")
+        return await Dense.collect(r.run(decoded), len(decoded.job.sequences))
 
 
 def request_id(body: dict, field: str, prefix: str) -> str:

@@ -132,93 +132,100 @@ def _refusal_bytes(why: str) -> bytes:
             b"retry-after: 1\r\ncontent-length: %d\r\n\r\n" % len(body)) + body
 
 
-def guarded_protocol(connections: Connections) -> type:
-    """An H11Protocol class bound to `connections` (uvicorn builds one per connection from Config(http=...))."""
-    lim = connections.limits
+class GuardedH11(H11Protocol):
+    """uvicorn's h11 protocol, the connection guarded by `guard` (set on the subclass guarded_protocol
+    makes): admitted at accept, deadlines for headers, body and a stalled reader."""
 
-    class Guarded(H11Protocol):
-        _host: Optional[str] = None
-        _timer: Optional[asyncio.TimerHandle] = None
-        _send_timer: Optional[asyncio.TimerHandle] = None
-        _seen = None                       # the request cycle whose headers we last saw
-        _served = 0
+    guard: Connections      # not `connections`: H11Protocol has its own (the server's set of them)
+    _host: Optional[str] = None
+    _timer: Optional[asyncio.TimerHandle] = None
+    _send_timer: Optional[asyncio.TimerHandle] = None
+    _seen = None                       # the request cycle whose headers we last saw
+    _served = 0
 
-        def connection_made(self, transport) -> None:
-            peer = transport.get_extra_info("peername")
-            host = str(peer[0]) if isinstance(peer, tuple) and peer else "unknown"
-            why = connections.admit(host)
-            if why is not None:
-                transport.write(_refusal_bytes(why))
-                transport.close()
-                return
-            self._host = host
-            super().connection_made(transport)
-            self._arm(lim.header_timeout_s, "its request line and headers")
+    @property
+    def _limits(self) -> HttpLimits:
+        return self.guard.limits
 
-        def connection_lost(self, exc) -> None:
-            if self._host is None:         # refused at accept: never served
-                return
-            connections.open.remove(self._host)
-            self._host = None
+    def connection_made(self, transport) -> None:
+        peer = transport.get_extra_info("peername")
+        host = str(peer[0]) if isinstance(peer, tuple) and peer else "unknown"
+        why = self.guard.admit(host)
+        if why is not None:
+            transport.write(_refusal_bytes(why))
+            transport.close()
+            return
+        self._host = host
+        super().connection_made(transport)
+        self._arm(self._limits.header_timeout_s, "its request line and headers")
+
+    def connection_lost(self, exc) -> None:
+        if self._host is None:         # refused at accept: never served
+            return
+        self.guard.open.remove(self._host)
+        self._host = None
+        self._disarm()
+        self._cancel_send_timer()
+        super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        cycle = self.cycle
+        if cycle is not None and cycle is not self._seen:        # a new request's headers are in
+            self._seen = cycle
+            self._served += 1
+            if self._served >= self._limits.max_requests_per_connection:
+                cycle.keep_alive = False
+            self._arm(self._limits.body_timeout_s, "its body")
+        if cycle is not None and not cycle.more_body:             # the whole request is in
             self._disarm()
-            self._cancel_send_timer()
-            super().connection_lost(exc)
 
-        def data_received(self, data: bytes) -> None:
-            super().data_received(data)
-            cycle = self.cycle
-            if cycle is not None and cycle is not self._seen:        # a new request's headers are in
-                self._seen = cycle
-                self._served += 1
-                if self._served >= lim.max_requests_per_connection:
-                    cycle.keep_alive = False
-                self._arm(lim.body_timeout_s, "its body")
-            if cycle is not None and not cycle.more_body:             # the whole request is in
-                self._disarm()
+    def on_response_complete(self) -> None:
+        super().on_response_complete()     # uvicorn's keep-alive timer closes an idle connection
+        if not self.transport.is_closing():
+            self._arm(self._limits.header_timeout_s, "its next request's line and headers")
 
-        def on_response_complete(self) -> None:
-            super().on_response_complete()     # uvicorn's keep-alive timer closes an idle connection
-            if not self.transport.is_closing():
-                self._arm(lim.header_timeout_s, "its next request's line and headers")
+    # -- deadlines ------------------------------------------------------------------------------------
+    def _arm(self, seconds: float, what: str) -> None:
+        self._disarm()
+        self._timer = self.loop.call_later(seconds, self._expire, what, seconds)
 
-        # -- deadlines ------------------------------------------------------------------------------------
-        def _arm(self, seconds: float, what: str) -> None:
-            self._disarm()
-            self._timer = self.loop.call_later(seconds, self._expire, what, seconds)
-
-        def _disarm(self) -> None:
-            if self._timer is not None:
-                self._timer.cancel()
-                self._timer = None
-
-        def _expire(self, what: str, seconds: float) -> None:
+    def _disarm(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
             self._timer = None
-            c = self.cycle
-            between = c is None or c.response_complete                       # waiting for the next request
-            in_body = c is not None and c is self._seen and c.more_body and not c.response_started
-            if not (between or in_body):      # a request is being answered (or a pipelined one waits)
-                return
-            log.debug("HTTP connection from %s closed: %s did not arrive within %g s", self._host, what, seconds)
-            self.transport.abort()
 
-        def pause_writing(self) -> None:
-            super().pause_writing()
-            if self._send_timer is None:
-                self._send_timer = self.loop.call_later(lim.send_timeout_s, self._stalled)
+    def _expire(self, what: str, seconds: float) -> None:
+        self._timer = None
+        c = self.cycle
+        between = c is None or c.response_complete                       # waiting for the next request
+        in_body = c is not None and c is self._seen and c.more_body and not c.response_started
+        if not (between or in_body):      # a request is being answered (or a pipelined one waits)
+            return
+        log.debug("HTTP connection from %s closed: %s did not arrive within %g s", self._host, what, seconds)
+        self.transport.abort()
 
-        def resume_writing(self) -> None:
-            super().resume_writing()
-            self._cancel_send_timer()
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        if self._send_timer is None:
+            self._send_timer = self.loop.call_later(self._limits.send_timeout_s, self._stalled)
 
-        def _cancel_send_timer(self) -> None:
-            if self._send_timer is not None:
-                self._send_timer.cancel()
-                self._send_timer = None
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        self._cancel_send_timer()
 
-        def _stalled(self) -> None:
+    def _cancel_send_timer(self) -> None:
+        if self._send_timer is not None:
+            self._send_timer.cancel()
             self._send_timer = None
-            log.warning("HTTP client %s took no bytes of its answer for %g s (--http-send-timeout-s): connection "
-                        "closed, its request ended", self._host, lim.send_timeout_s)
-            self.transport.abort()
 
-    return Guarded
+    def _stalled(self) -> None:
+        self._send_timer = None
+        log.warning("HTTP client %s took no bytes of its answer for %g s (--http-send-timeout-s): connection "
+                    "closed, its request ended", self._host, self._limits.send_timeout_s)
+        self.transport.abort()
+
+
+def guarded_protocol(connections: Connections) -> type:
+    """A GuardedH11 class bound to `connections` (uvicorn builds one per connection from Config(http=...))."""
+    return type("Guarded", (GuardedH11,), {"guard": connections})

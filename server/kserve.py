@@ -30,7 +30,8 @@ from logitserve.spec import Job, LogprobsOpts, ModelKind, OutputKind, SliceOpts,
 
 from . import codec
 from .params import Param, ParamTable
-from .requests import Decoded, Pipeline
+from .dense import Dense
+from .requests import Decoded, Failed, Pipeline
 
 OUTPUTS = {"token_logprobs": OutputKind.TOKEN_LOGPROBS, "topk_values": OutputKind.TOPK_VALUES,
            "topk_ids": OutputKind.TOPK_IDS, "topk_tail": OutputKind.TOPK_TAIL,
@@ -200,26 +201,6 @@ def dense_bytes(job: Job, names: list[str], vocab: int, num_labels: int) -> int:
     return total
 
 
-class _Dense:
-    """Pieces written into one zero-padded [B, ...] array per output."""
-
-    def __init__(self, batch: int):
-        self.batch = batch
-        self.arrays: dict[OutputKind, torch.Tensor] = {}
-
-    def add(self, piece) -> None:
-        arr = self.arrays.get(piece.output)
-        shape = (self.batch, *piece.full_shape)
-        if arr is None or any(a < s for a, s in zip(arr.shape, shape)):
-            grown = torch.zeros(tuple(max(a, s) for a, s in zip(arr.shape, shape)) if arr is not None else shape,
-                                dtype=piece.tensor.dtype)
-            if arr is not None:
-                grown[tuple(slice(0, d) for d in arr.shape)] = arr
-            arr = self.arrays[piece.output] = grown
-        index = (piece.sequence, *(slice(o, o + d) for o, d in zip(piece.offset, piece.tensor.shape)))
-        arr[index] = piece.tensor
-
-
 class KServeServicer(kpb_grpc.GRPCInferenceServiceServicer):
     """The KServe face of the shared request pipeline: decode a ModelInferRequest, encode a dense answer."""
 
@@ -313,15 +294,14 @@ class KServeServicer(kpb_grpc.GRPCInferenceServiceServicer):
                                                        reason="" if self._ready() else "draining")
         return kpb.RepositoryIndexResponse(models=[] if request.ready and not self._ready() else [entry])
 
-    def _decode(self, request: kpb.ModelInferRequest, names: list) -> Decoded:
-        """The request as a Decoded (its output names into `names`); the answer must fit one message."""
+    def _decode(self, request: kpb.ModelInferRequest) -> tuple[Decoded, list[str]]:
+        """The request as a Decoded, and its output names; the answer must fit one message."""
         codec.check_name(request.id, "id")
         codec.check_name(request.model_name, "model_name")
         if not self._serves(request.model_name):
             raise InvalidRequest("model_name", f"{request.model_name[:64]!r} is not served here; this "
                                                f"server holds {self._loaded.name!r}")
         job, wanted, params = decode(request, self._loaded.kind, self._pipeline.stream_limits.max_sequences)
-        names.extend(wanted)
         size = dense_bytes(job, wanted, self._loaded.vocab_size, self._loaded.num_labels)
         limit = self._max_message_bytes - (64 << 10)     # headroom for names, shapes, framing
         if size > limit:
@@ -332,32 +312,23 @@ class KServeServicer(kpb_grpc.GRPCInferenceServiceServicer):
                            f"which chunks any answer")
         # the dense arrays and their serialized copy are held with the job
         return Decoded(job, timeout_of(params), "parameters[timeout_s]", hold=2 * size,
-                       temperature_field="parameters[temperature]")
+                       temperature_field="parameters[temperature]"), wanted
 
     async def _infer(self, request: kpb.ModelInferRequest, client: str):
         """(response, None), or (None, (code, message)) for a failed request, through the shared pipeline."""
-        names: list[str] = []
-        dense = None
-
-        async def decoded() -> Decoded:
-            nonlocal dense
-            d = self._decode(request, names)
-            dense = _Dense(len(d.job.sequences))
-            return d
-
-        async def sink(piece) -> None:
-            dense.add(piece)
-
         rid = codec.shown_id(request.id) or f"kserve-{next(self._ids)}"
-        outcome = await self._pipeline.run(rid, client, decoded, sink)
-        if not outcome.ok:
-            return None, (outcome.status, outcome.message)
-        return self._encode(request, outcome.job, names, dense), None
+        try:
+            async with self._pipeline.request(rid, client) as r:
+                decoded, names = self._decode(request)
+                dense = await Dense.collect(r.run(decoded), len(decoded.job.sequences))
+        except Failed as f:
+            return None, (f.outcome.status, f.outcome.message)
+        return self._encode(request, r.outcome.job, names, dense), None
 
-    def _encode(self, request: kpb.ModelInferRequest, job: Job, names: list[str], dense: "_Dense"):
+    def _encode(self, request: kpb.ModelInferRequest, job: Job, names: list[str], dense: Dense):
         resp = kpb.ModelInferResponse(model_name=self._loaded.name, model_version="1", id=request.id)
         for name in names:
-            arr = dense.arrays.get(OUTPUTS[name])
+            arr = dense.padded(OUTPUTS[name])
             if arr is None:
                 arr = torch.zeros((len(job.sequences), 0), dtype=torch.float32)
             resp.outputs.add(name=name, datatype=_KS_DTYPE[arr.dtype], shape=list(arr.shape))

@@ -21,8 +21,7 @@ from logitserve.spec import ModelKind
 from logitserve.validate import check_candidates_per_row
 
 from .http_answer import Deferred, Streamed
-from .http_common import (Ctx, check_request_id, clamp, detokenize_ids, fields, id_array, is_id_list, new_id, npy_b64,
-                          request_id)
+from .http_common import Ctx, check_request_id, clamp, detokenize_ids, fields, id_array, new_id, npy_b64, request_id
 from .json_logprobs import prompt_logprobs_parts
 from .params import Param, ParamTable
 from .requests import Decoded
@@ -150,23 +149,6 @@ def _openai_block(tokens: list, steps: list, k: int, offset0: int = 0) -> dict:
     return {"text_offset": offsets, "token_logprobs": token_logprobs, "tokens": tokens, "top_logprobs": top}
 
 
-async def _prompts(ctx: Ctx, prompt: Any, special: bool, client: str) -> tuple[tuple, Optional[list]]:
-    """(ids per prompt, the texts or None) of vLLM's prompt: ids, a list of id lists, a text or a list of texts."""
-    if prompt is None or prompt == "" or prompt == []:
-        raise InvalidRequest("prompt", "a prompt is needed: token ids, a list of them, a text or a list of texts")
-    if isinstance(prompt, str):
-        prompt = [prompt]
-    if is_id_list(prompt):
-        return (ctx.ids(prompt, "prompt"),), None
-    if not isinstance(prompt, list):
-        raise InvalidRequest("prompt", f"token ids, a list of them, a text or a list of texts; got "
-                                       f"{type(prompt).__name__}")
-    ctx.pipeline.check_rows(len(prompt), "prompt")
-    if all(isinstance(p, str) for p in prompt):
-        return await ctx.tokenize(prompt, special, client, "prompt"), prompt
-    return ctx.id_lists(prompt, "prompt"), None
-
-
 @dataclass(frozen=True)
 class CompletionsPlan:
     """What /v1/completions decoded, for its encoding: the typed fields, the prompts and what to list."""
@@ -182,35 +164,40 @@ class CompletionsPlan:
 
 async def completions(ctx: Ctx, body: dict, client: str) -> Deferred:
     """POST /v1/completions: prompt logprobs (and at most the greedy next token) for each prompt."""
-    plan: Optional[CompletionsPlan] = None
-
-    async def decode() -> Decoded:
-        nonlocal plan
-        _not_reward(ctx, "model")
-        p = fields(body, COMPLETIONS)
-        ctx.check_model(p.get("model"))
-        prompt_k, sample_k = _ks(p, ctx.loaded.vocab_size)
-        if p.get("stream"):
-            why = ("`prompt_logprobs` are not available when `stream=True`" if prompt_k else
-                   "this server answers whole (prompt scoring has nothing to stream); set stream to false")
-            raise InvalidRequest("prompt_logprobs" if prompt_k else "stream", why)
-        echo = p.get("echo", False)
-        if prompt_k is None and echo:          # vLLM: echo with logprobs turns prompt logprobs on
-            prompt_k = sample_k
-        gen = _generate_count(p.get("max_tokens"))
-        seqs, texts = await _prompts(ctx, body.get("prompt"), p.get("add_special_tokens", True), client)
-        start = p.get("prompt_logprob_start")
-        spec = ScoreSpec(_temperature(p.get("temperature")), logprobs=prompt_k is not None,
-                         k=max(prompt_k or 0, sample_k or 0), generate=bool(gen),
-                         starts=None if start is None else (start,) * len(seqs))
-        ctx.check_json_size(json_entries(seqs, spec), "prompt_logprobs", streamed=not (echo and sample_k is not None))
-        plan = CompletionsPlan(p, seqs, texts, spec, prompt_k, sample_k, echo)
-        return Decoded(score_job(seqs, spec), sequences_field="prompt",
-                       text_ids=seqs if texts is not None else None, text_field="prompt")
-
     rid = new_id("cmpl")                      # the answer's id is the access log's request id
-    job, out = await ctx.run(rid, client, decode)
-    return Deferred(lambda: _completions_answer(ctx, plan, rid, job, out))
+    async with ctx.pipeline.request(rid, client) as r:
+        plan, decoded = await _completions_plan(ctx, body, client)
+        out = await ctx.collect(r, decoded)
+    return Deferred(lambda: _completions_answer(ctx, plan, rid, r.job, out))
+
+
+async def _completions_plan(ctx: Ctx, body: dict, client: str) -> tuple[CompletionsPlan, Decoded]:
+    """What a /v1/completions body asks, and its Job."""
+    _not_reward(ctx, "model")
+    p = fields(body, COMPLETIONS)
+    ctx.check_model(p.get("model"))
+    prompt_k, sample_k = _ks(p, ctx.loaded.vocab_size)
+    if p.get("stream"):
+        why = ("`prompt_logprobs` are not available when `stream=True`" if prompt_k else
+               "this server answers whole (prompt scoring has nothing to stream); set stream to false")
+        raise InvalidRequest("prompt_logprobs" if prompt_k else "stream", why)
+    echo = p.get("echo", False)
+    if prompt_k is None and echo:          # vLLM: echo with logprobs turns prompt logprobs on
+        prompt_k = sample_k
+    gen = _generate_count(p.get("max_tokens"))
+    prompt = body.get("prompt")       # vLLM's: ids, a list of id lists, a text or a list of texts
+    if prompt is None or prompt == "" or prompt == []:
+        raise InvalidRequest("prompt", "a prompt is needed: token ids, a list of them, a text or a list of texts")
+    prompts = await ctx.prompts(prompt, "prompt", client, f"token ids, a list of them, a text or a list of texts; "
+                                                          f"got {type(prompt).__name__}", p.get("add_special_tokens", True))
+    seqs, start = prompts.seqs, p.get("prompt_logprob_start")
+    spec = ScoreSpec(_temperature(p.get("temperature")), logprobs=prompt_k is not None,
+                     k=max(prompt_k or 0, sample_k or 0), generate=bool(gen),
+                     starts=None if start is None else (start,) * len(seqs))
+    ctx.check_json_size(json_entries(seqs, spec), "prompt_logprobs", streamed=not (echo and sample_k is not None))
+    plan = CompletionsPlan(p, seqs, prompts.texts, spec, prompt_k, sample_k, echo)
+    return plan, Decoded(score_job(seqs, spec), sequences_field="prompt",
+                         text_ids=seqs if prompts.texts is not None else None, text_field="prompt")
 
 
 def _completions_answer(ctx: Ctx, s: CompletionsPlan, rid: str, job, out) -> dict:
@@ -283,42 +270,42 @@ class GeneratePlan:
 
 async def generate(ctx: Ctx, body: dict, client: str) -> Deferred:
     """POST /inference/v1/generate (prime-rl's call): token_ids and sampling_params in, vLLM's answer out."""
-    plan: Optional[GeneratePlan] = None
+    rid = request_id(body, "request_id", "generate-tokens")     # bounded: a longer one is refused in the plan
+    async with ctx.pipeline.request(rid, client) as r:
+        plan, decoded = _generate_plan(ctx, body)
+        out = await ctx.collect(r, decoded)
+    return Deferred(lambda: _generate_answer(ctx, plan, rid, r.job, out))
 
-    async def decode() -> Decoded:
-        nonlocal plan
-        _not_reward(ctx, "model")
-        p = fields(body, GENERATE)
-        check_request_id(p.get("request_id"), "request_id")
-        ctx.check_model(p.get("model"))
-        sp = body.get("sampling_params")
-        if not isinstance(sp, dict):
-            raise InvalidRequest("sampling_params", "an object is needed (vLLM's SamplingParams)")
-        s = fields(sp, SAMPLING, "sampling_params.")
-        if p.get("stream"):
-            raise InvalidRequest("stream", "this server answers whole; set stream to false")
-        V = ctx.loaded.vocab_size
-        prompt_k, sample_k = _ks(s, V, "sampling_params.")
-        seq = ctx.ids(body.get("token_ids"), "token_ids")
-        if not len(seq):
-            raise InvalidRequest("token_ids", "at least one token id is needed")
-        gen = _generate_count(s.get("max_tokens"))
-        start = s.get("prompt_logprob_start")
-        cands = None
-        if sp.get("prompt_logprob_token_ids") is not None:
-            start = start or 0
-            cands = (_token_id_rows(sp["prompt_logprob_token_ids"], max(len(seq) - 1 - start, 0), V),)
-        spec = ScoreSpec(_temperature(s.get("temperature")), logprobs=prompt_k is not None, k=max(prompt_k or 0,
-                         sample_k or 0), generate=bool(gen), starts=None if start is None else (start,),
-                         candidates=cands)
-        ctx.check_json_size(json_entries((seq,), spec), "prompt_logprobs", streamed=True)
-        plan = GeneratePlan(p, seq, spec, prompt_k, sample_k)
-        return Decoded(score_job((seq,), spec), sequences_field="token_ids",
-                       temperature_field="sampling_params.temperature")
 
-    rid = request_id(body, "request_id", "generate-tokens")     # bounded: a longer one is refused in decode()
-    job, out = await ctx.run(rid, client, decode)
-    return Deferred(lambda: _generate_answer(ctx, plan, rid, job, out))
+def _generate_plan(ctx: Ctx, body: dict) -> tuple[GeneratePlan, Decoded]:
+    """What an /inference/v1/generate body asks, and its Job."""
+    _not_reward(ctx, "model")
+    p = fields(body, GENERATE)
+    check_request_id(p.get("request_id"), "request_id")
+    ctx.check_model(p.get("model"))
+    sp = body.get("sampling_params")
+    if not isinstance(sp, dict):
+        raise InvalidRequest("sampling_params", "an object is needed (vLLM's SamplingParams)")
+    s = fields(sp, SAMPLING, "sampling_params.")
+    if p.get("stream"):
+        raise InvalidRequest("stream", "this server answers whole; set stream to false")
+    V = ctx.loaded.vocab_size
+    prompt_k, sample_k = _ks(s, V, "sampling_params.")
+    seq = ctx.ids(body.get("token_ids"), "token_ids")
+    if not len(seq):
+        raise InvalidRequest("token_ids", "at least one token id is needed")
+    gen = _generate_count(s.get("max_tokens"))
+    start = s.get("prompt_logprob_start")
+    cands = None
+    if sp.get("prompt_logprob_token_ids") is not None:
+        start = start or 0
+        cands = (_token_id_rows(sp["prompt_logprob_token_ids"], max(len(seq) - 1 - start, 0), V),)
+    spec = ScoreSpec(_temperature(s.get("temperature")), logprobs=prompt_k is not None, k=max(prompt_k or 0,
+                     sample_k or 0), generate=bool(gen), starts=None if start is None else (start,),
+                     candidates=cands)
+    ctx.check_json_size(json_entries((seq,), spec), "prompt_logprobs", streamed=True)
+    return GeneratePlan(p, seq, spec, prompt_k, sample_k), Decoded(score_job((seq,), spec), sequences_field="token_ids",
+                                                                 temperature_field="sampling_params.temperature")
 
 
 def _generate_answer(ctx: Ctx, s: GeneratePlan, rid: str, job, out) -> dict:

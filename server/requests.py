@@ -12,10 +12,11 @@ import asyncio
 import contextlib
 import time
 from dataclasses import dataclass
-from typing import Awaitable, Callable, Optional
+from typing import AsyncGenerator, AsyncIterator, Callable, Iterator, Optional
 
 import grpc
 
+from logitserve.cost import Cost
 from logitserve.engine import Piece, SharedTokens
 from logitserve.errors import InvalidRequest, NotSupported, OverLimit, TooLarge, Unavailable
 from logitserve.spec import Job
@@ -79,7 +80,12 @@ class Outcome:
         return self.status == grpc.StatusCode.OK
 
 
-Sink = Callable[[Piece], Awaitable[None]]
+class Failed(Exception):
+    """A request ended without an answer: its Outcome (status, message, the field it names)."""
+
+    def __init__(self, outcome: Outcome):
+        super().__init__(outcome.message)
+        self.outcome = outcome
 
 
 class Pipeline:
@@ -134,32 +140,35 @@ class Pipeline:
         task.add_done_callback(self._requests.discard)
 
     # -- admission ---------------------------------------------------------------------------------------------
-    def stream_refusal(self, open_streams: int, client: str) -> Optional[tuple[grpc.StatusCode, str]]:
-        """(code, message) when a new stream must be refused, else None (the stream is then the client's:
-        close it with clients.close_stream)."""
+    def open_stream(self, open_streams: int, client: str) -> None:
+        """A new stream of `client` (close it with clients.close_stream); Unavailable while draining, OverLimit
+        past --max-streams or --max-streams-per-client."""
         if self._draining:
-            return grpc.StatusCode.UNAVAILABLE, SHUTTING_DOWN
+            raise Unavailable(SHUTTING_DOWN)
         limit = self.stream_limits.max_streams
         if open_streams >= limit:
-            return (grpc.StatusCode.RESOURCE_EXHAUSTED, f"streams: {open_streams} open, the server's --max-streams is "
-                    f"{limit}; retry later or share a stream")
+            raise OverLimit(f"streams: {open_streams} open, the server's --max-streams is {limit}; retry later or "
+                            f"share a stream")
         mine = self.clients.open_stream(client)
-        return None if mine is None else (grpc.StatusCode.RESOURCE_EXHAUSTED, mine)
+        if mine is not None:
+            raise OverLimit(mine)
 
-    def request_refusal(self, in_flight_on_stream: int) -> Optional[tuple[grpc.StatusCode, str]]:
-        """(code, message) when a new request on a stream must be refused before it is decoded."""
+    def check_request(self, in_flight_on_stream: int) -> None:
+        """A new request on a stream, before it is decoded: Unavailable while draining, OverLimit past
+        --max-in-flight-per-stream."""
         if self._draining:
-            return grpc.StatusCode.UNAVAILABLE, SHUTTING_DOWN
+            raise Unavailable(SHUTTING_DOWN)
         limit = self.stream_limits.max_in_flight
         if in_flight_on_stream >= limit:
-            return (grpc.StatusCode.RESOURCE_EXHAUSTED, f"requests in flight: {in_flight_on_stream} on this stream, "
-                    f"the server's --max-in-flight-per-stream is {limit}")
-        return None
+            raise OverLimit(f"requests in flight: {in_flight_on_stream} on this stream, the server's "
+                            f"--max-in-flight-per-stream is {limit}")
 
     @contextlib.contextmanager
-    def _tracking(self, client: str):
+    def admitted(self, client: str) -> Iterator[None]:
         """The current task counts as a request in flight of `client` (drained and ended on shutdown);
-        OverLimit past the client's --max-in-flight-per-client."""
+        Unavailable while draining, OverLimit past --max-in-flight-per-client or --max-in-flight."""
+        if self._draining:
+            raise Unavailable(SHUTTING_DOWN)
         refusal = self.clients.start(client)
         if refusal is not None:
             raise OverLimit(refusal)
@@ -189,15 +198,13 @@ class Pipeline:
         self.check_rows(len(job.sequences), "sequences")
         self.check_tokens(job.num_tokens)
 
-    def _check_cost(self, job: Job):
-        """The validated request's Cost; TooLarge when its answer is over --max-response-bytes."""
-        cost = self.scheduler.cost(job)
+    def _check_cost(self, cost: Optional[Cost]) -> None:
+        """TooLarge when the validated request's answer is over --max-response-bytes."""
         limit = self.stream_limits.max_response_bytes
         if cost is not None and cost.output_bytes > limit:
             raise TooLarge(f"outputs: this request's answer would be {cost.output_bytes / 2**20:.0f} MiB, over the "
                            f"server's --max-response-bytes {limit / 2**20:.0f} MiB; ask for fewer sequences, a "
                            f"smaller k or a smaller full-logits slice per request")
-        return cost
 
     async def tokenize(self, texts: list[str], add_special_tokens: bool, client: str, field: str = "texts",
                        offsets: bool = False) -> tuple:
@@ -237,47 +244,85 @@ class Pipeline:
                 raise
             raise InvalidRequest(name, str(e).split(": ", 1)[1]) from None
 
-    async def run(self, rid: str, client: str, decode: Callable[[], Awaitable[Decoded]], sink: Sink) -> Outcome:
-        """Decode, admit, validate and compute one request, each piece to `sink` (INPUT_IDS first for texts).
-        Every failure comes back as an Outcome; cancellation propagates (after its access-log line) unless
-        the server's grace period ended it, which is an UNAVAILABLE Outcome."""
-        started, job, status = time.monotonic(), None, grpc.StatusCode.OK
+    @contextlib.asynccontextmanager
+    async def request(self, rid: str, client: str) -> AsyncIterator["Request"]:
+        """One request of `client`: admitted, tracked and logged. The block either ends with `r.outcome` OK or
+        raises Failed with the Outcome of whatever went wrong in it (a refusal skips the block). Cancellation
+        propagates (after its access-log line) unless the grace period ended it: Failed with UNAVAILABLE."""
+        r = Request(self, rid, client)
+        started = time.monotonic()
         try:
-            with self._tracking(client):
-                if self._draining:
-                    raise Unavailable(SHUTTING_DOWN)
-                decoded = await decode()
-                job = decoded.job
-                self._check_size(job)
-                job = self._validate(decoded)
-                cost = self._check_cost(job)
-                t = decoded.timeout
-                if t is not None and not (t > 0 and t < float("inf")):
-                    raise InvalidRequest(decoded.timeout_field, f"{t} must be > 0 and finite")
-                shared = 0
-                try:
-                    async with asyncio.timeout(t):
-                        for piece in codec.input_id_pieces(decoded.text_ids, decoded.text_offsets):
-                            await sink(piece)
-                        async for piece in self.scheduler.stream(job, client, decoded.hold, cost):
-                            if isinstance(piece, SharedTokens):
-                                shared += piece.tokens
-                                self.count_shared(piece.tokens)
-                                continue
-                            await sink(piece)
-                except TimeoutError:
-                    status = grpc.StatusCode.DEADLINE_EXCEEDED
-                    return Outcome(status, f"{decoded.timeout_field}: request {rid!r} did not finish within {t:g} s",
-                                   job)
-                return Outcome(status, job=job, shared=shared)
+            with self.admitted(client):
+                async with asyncio.timeout(None) as r.deadline, contextlib.aclosing(r):
+                    yield r
+            r.outcome = Outcome(grpc.StatusCode.OK, job=r.job, shared=r.shared)
         except asyncio.CancelledError:
-            status = grpc.StatusCode.CANCELLED
-            if self._ending:    # the grace period is over: say so
-                status = grpc.StatusCode.UNAVAILABLE
-                return Outcome(status, ENDED_BY_SHUTDOWN, job)
-            raise
+            if not self._ending:
+                raise
+            r.outcome = Outcome(grpc.StatusCode.UNAVAILABLE, ENDED_BY_SHUTDOWN, r.job)   # the grace period is over
         except Exception as e:      # noqa: BLE001 (every error becomes its status, in one place)
-            status, message = to_status(e)
-            return Outcome(status, message, job, field=getattr(e, "field", None), too_large=isinstance(e, TooLarge))
+            r.fail(e)
         finally:
-            account(self.metrics, rid, job, status, time.monotonic() - started)
+            account(self.metrics, rid, r.job, r.outcome.status if r.outcome else grpc.StatusCode.CANCELLED,
+                    time.monotonic() - started)
+        if not r.outcome.ok:
+            raise Failed(r.outcome)
+
+
+class Request:
+    """One admitted request: `run(decoded)` yields its pieces (once); `outcome` says how it ended (set on leaving
+    Pipeline.request)."""
+
+    def __init__(self, pipeline: Pipeline, rid: str, client: str):
+        self._pipeline = pipeline
+        self.rid = rid
+        self.client = client
+        self.job: Optional[Job] = None
+        self.shared = 0                    # prompt tokens computed once for several sequences
+        self.outcome: Optional[Outcome] = None
+        self.deadline: Optional[asyncio.Timeout] = None   # armed by run() with the request's timeout
+        self._decoded: Optional[Decoded] = None
+        self._stream: Optional[AsyncGenerator] = None     # the scheduler's stream of the job, once it is admitted
+
+    async def run(self, decoded: Decoded) -> AsyncIterator[Piece]:
+        """Check `decoded` (size, validation, cost, deadline), then yield its pieces under its deadline: INPUT_IDS
+        first for texts, then the scheduler's (SharedTokens counted here, not yielded)."""
+        assert self._stream is None, "one run per request"
+        pipeline, self.job, self._decoded = self._pipeline, decoded.job, decoded
+        pipeline._check_size(decoded.job)
+        self.job = job = pipeline._validate(decoded)     # the job with the server's defaults filled in
+        cost = pipeline.scheduler.cost(job)
+        pipeline._check_cost(cost)
+        t = decoded.timeout
+        if t is not None:
+            if not (t > 0 and t < float("inf")):
+                raise InvalidRequest(decoded.timeout_field, f"{t} must be > 0 and finite")
+            self.deadline.reschedule(asyncio.get_running_loop().time() + t)
+        for piece in codec.input_id_pieces(decoded.text_ids, decoded.text_offsets):
+            yield piece
+        self._stream = pipeline.scheduler.stream(job, self.client, decoded.hold, cost)
+        async for piece in self._stream:
+            if isinstance(piece, SharedTokens):
+                self.shared += piece.tokens
+                pipeline.count_shared(piece.tokens)
+                continue
+            yield piece
+        self.deadline.reschedule(None)     # done: what the front-end does next is not under the deadline
+
+    def fail(self, e: Exception) -> None:
+        """The outcome of an exception raised in the request's block; a TimeoutError of its deadline names the
+        request's timeout field."""
+        if isinstance(e, TimeoutError) and self.deadline is not None and self.deadline.expired():
+            d = self._decoded
+            self.outcome = Outcome(grpc.StatusCode.DEADLINE_EXCEEDED, f"{d.timeout_field}: request {self.rid!r} did "
+                                   f"not finish within {d.timeout:g} s", self.job)
+        else:
+            status, message = to_status(e)
+            self.outcome = Outcome(status, message, self.job, field=getattr(e, "field", None),
+                                   too_large=isinstance(e, TooLarge))
+
+    async def aclose(self) -> None:
+        """The block is left: the scheduler lets go of the job now (it is dropped if it never ended), not when a
+        generator left suspended is collected."""
+        if self._stream is not None:
+            await self._stream.aclose()

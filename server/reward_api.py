@@ -58,16 +58,11 @@ def _need_reward(ctx: Ctx, where: str) -> None:
 async def scores(ctx: Ctx, client: str, where: str, prepare: Prepare) -> tuple[tuple, np.ndarray]:
     """(ids per input, raw scores [B, num_labels] fp32) from the engine; `prepare` makes the ids inside the
     request pipeline (admitted, logged, its errors mapped there)."""
-    seqs: tuple = ()
-
-    async def decode() -> Decoded:
-        nonlocal seqs
+    async with ctx.pipeline.request(new_id("reward"), client) as r:
         _need_reward(ctx, where)
         seqs = await prepare()
-        return Decoded(Job(sequences=seqs, scores=True), sequences_field=where)
-
-    _, out = await ctx.run(new_id("reward"), client, decode)
-    return seqs, np.stack(out.arrays[OutputKind.SCORES])
+        out = await ctx.collect(r, Decoded(Job(sequences=seqs, scores=True), sequences_field=where))
+    return seqs, np.stack([out.of(OutputKind.SCORES, i) for i in range(len(seqs))])
 
 
 def _rewards(raw: np.ndarray) -> list[float]:

@@ -15,7 +15,7 @@ import numpy as np
 
 from logitserve.spec import Job, LogprobsOpts, OutputKind, TopKOpts
 
-from .http_common import Collected
+from .dense import Dense
 
 
 @dataclass(frozen=True)
@@ -62,14 +62,10 @@ class Rows:
     next_ids: Optional[np.ndarray]        # [k]
 
 
-def rows_of(job: Job, spec: ScoreSpec, out: Collected, i: int, L: int) -> Rows:
+def rows_of(job: Job, spec: ScoreSpec, out: Dense, i: int, L: int) -> Rows:
     """Prompt i's results (L: its length as sent, without the placeholder)."""
-    def get(kind):
-        per = out.arrays.get(kind)
-        return None if per is None else per[i]
-
-    lp, rk = get(OutputKind.TOKEN_LOGPROBS), get(OutputKind.TOKEN_RANKS)
-    tv, ti, cand = get(OutputKind.TOPK_VALUES), get(OutputKind.TOPK_IDS), get(OutputKind.CANDIDATE_LOGPROBS)
+    lp, rk = out.of(OutputKind.TOKEN_LOGPROBS, i), out.of(OutputKind.TOKEN_RANKS, i)
+    tv, ti, cand = (out.of(k, i) for k in (OutputKind.TOPK_VALUES, OutputKind.TOPK_IDS, OutputKind.CANDIDATE_LOGPROBS))
     # Without a span the rows are positions 0..L-1: distribution row t-1 predicts token t, and the per-token
     # outputs (lp[0] = 0) sit one row later. With one, row j predicts token P + j for both. Either way the
     # distribution row after the n scored ones is "next" (the last position, or the placeholder's row).

@@ -4,17 +4,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from typing import Optional
 
 import grpc
 
-from logitserve.errors import InvalidRequest, NotSupported
+from logitserve.errors import InvalidRequest, LogitServeError, NotSupported
 from logitserve.v1 import logitserve_pb2 as pb
 from logitserve.v1 import logitserve_pb2_grpc as pb_grpc
 
 from . import codec
 from .head_rpc import HeadLimits, HeadRpc
 from .metrics import account
-from .requests import Decoded, Pipeline
+from .requests import Decoded, Failed, Pipeline
 from .status import to_status
 
 _FINISHED = object()
@@ -68,105 +69,76 @@ class LogitServeServicer(pb_grpc.LogitServeServicer):
         return pb.DetokenizeResponse(tokens=tokens, texts=texts, unk_token_id=unk)
 
     async def Head(self, request, context):
-        """The lm_head in bands, under download slots and a stall bound (server/head_rpc.py)."""
-        await self._head.serve(request, context, self._pipeline.clients.of_grpc(context), self._pipeline.draining)
+        """The lm_head in bands, admitted as Forward's requests are (draining, in flight per client), then under
+        download slots and a stall bound (server/head_rpc.py)."""
+        await self._head.serve(request, context, self._pipeline.clients.of_grpc(context), self._pipeline.admitted)
 
     async def Forward(self, request_iterator, context):
         client = self._pipeline.clients.of_grpc(context)
-        refusal = self._pipeline.stream_refusal(len(self._streams), client)
-        if refusal is not None:       # a generator RPC ends with a status this way (abort() here gives INTERNAL)
-            context.set_code(refusal[0])
-            context.set_details(refusal[1])
-            return
         try:
-            async with contextlib.aclosing(self._stream(request_iterator, context, client)) as items:
-                async for item in items:
-                    yield item
-        finally:
-            self._pipeline.clients.close_stream(client)
+            self._pipeline.open_stream(len(self._streams), client)
+        except LogitServeError as e:   # a generator RPC ends with a status this way (abort() here gives INTERNAL)
+            code, message = to_status(e)
+            context.set_code(code)
+            context.set_details(message)
+        else:
+            try:
+                async with contextlib.aclosing(self._stream(request_iterator, context, client)) as items:
+                    async for item in items:
+                        yield item
+            finally:
+                self._pipeline.clients.close_stream(client)
 
     async def _stream(self, request_iterator, context, client: str):
-        out: asyncio.Queue = asyncio.Queue()
-        window = asyncio.Semaphore(STREAM_WINDOW)
-        in_flight: dict[str, asyncio.Task] = {}
-        cancel_requested: set[str] = set()
-        tasks: set[asyncio.Task] = set()
-        pipeline = self._pipeline
-
-        async def emit(msg) -> None:
-            await window.acquire()
-            out.put_nowait(msg)
-
-        broken: list[tuple] = []    # (code, why) the stream ends early: an undecodable message, idle too long
-        last_seen = [time.monotonic()]   # when the last request message arrived
-
-        async def read() -> None:
-            async for req in request_iterator:
-                last_seen[0] = time.monotonic()
-                if isinstance(req, codec.Undecodable):   # framing is intact, but no request id to answer under
-                    broken.append((grpc.StatusCode.INVALID_ARGUMENT, f"a ForwardRequest message of {req.size} bytes "
-                                   f"could not be decoded ({req.error}); the stream ends after the requests "
-                                   f"already in flight"))
-                    return
-                rid = req.request_id
-                too_long = codec.request_id_error(rid)
-                if too_long is not None:   # refused before anything else; logged by its first bytes only
-                    if not req.cancel:
-                        await emit(codec.encode_error(codec.echoed_id(rid), grpc.StatusCode.INVALID_ARGUMENT,
-                                                      too_long))
-                        account(pipeline.metrics, codec.shown_id(rid), None, grpc.StatusCode.INVALID_ARGUMENT, 0.0)
-                    continue
-                if req.cancel:
-                    if rid in in_flight:
-                        cancel_requested.add(rid)
-                        in_flight[rid].cancel()
-                    continue
-                if rid in in_flight:
-                    code, message = to_status(InvalidRequest("request_id", f"{rid!r} is already in flight on this stream"))
-                    await emit(codec.encode_error(rid, code, message))
-                    continue
-                refusal = pipeline.request_refusal(len(in_flight))
-                if refusal is not None:
-                    await emit(codec.encode_error(rid, *refusal))
-                    continue
-                task = asyncio.create_task(self._serve_one(req, emit, in_flight, cancel_requested, client))
-                in_flight[rid] = task
-                tasks.add(task)
-                pipeline.add_task(task)      # now, not when it starts: a drain beginning meanwhile sees it
-                task.add_done_callback(lambda t: (tasks.discard(t), out.put_nowait(_FINISHED)))
-
-        # Done-callbacks run after a task is done, so each _FINISHED sees the state it announces.
-        reader = asyncio.create_task(read())
-        reader.add_done_callback(lambda _: out.put_nowait(_FINISHED))
-        self._streams.add(out)
-        idle_s = pipeline.clients.limits.stream_idle_s
+        """The stream's messages as its requests produce them; its status set when it ends early."""
+        s = _Stream(self._pipeline, client)
+        reader = asyncio.create_task(self._read(request_iterator, s))
+        reader.add_done_callback(s.finished)     # after the task is done: each _FINISHED sees what it announces
+        self._streams.add(s.out)
         try:
-            while True:
-                if tasks or not out.empty():
-                    item = await out.get()
-                else:          # nothing in flight: the stream may sit idle this long, then it is closed
-                    try:
-                        item = await asyncio.wait_for(out.get(), idle_s)
-                    except TimeoutError:
-                        if tasks or time.monotonic() - last_seen[0] < idle_s:   # a request came meanwhile
-                            continue
-                        broken.append((grpc.StatusCode.UNAVAILABLE, f"stream idle: no request in flight for "
-                                       f"{idle_s:g} s (the server's --stream-idle-s); open a new stream"))
-                        break
-                if item is _FINISHED:
-                    if (reader.done() or pipeline.draining) and not tasks and out.empty():
-                        break
-                    continue
-                window.release()
-                yield item
-            if broken:
-                context.set_code(broken[0][0])
-                context.set_details(broken[0][1])
+            async with contextlib.aclosing(s.messages(reader)) as messages:
+                async for msg in messages:
+                    yield msg
+            if s.broken is not None:
+                context.set_code(s.broken[0])
+                context.set_details(s.broken[1])
         finally:
-            self._streams.discard(out)
+            self._streams.discard(s.out)
             reader.cancel()
-            for t in list(tasks):
+            for t in list(s.tasks):
                 t.cancel()
+
+    async def _read(self, request_iterator, s: "_Stream") -> None:
+        """Each request message taken as it arrives, until the client half-closes or one cannot be decoded."""
+        async for req in request_iterator:
+            s.last_seen = time.monotonic()
+            if isinstance(req, codec.Undecodable):   # framing is intact, but no request id to answer under
+                s.broken = (grpc.StatusCode.INVALID_ARGUMENT, f"a ForwardRequest message of {req.size} bytes could "
+                            f"not be decoded ({req.error}); the stream ends after the requests already in flight")
+                break
+            await self._take(req, s)
+
+    async def _take(self, req: pb.ForwardRequest, s: "_Stream") -> None:
+        """One request message: a cancel, a refusal answered at once, or a request started on its own task."""
+        rid = req.request_id
+        too_long = codec.request_id_error(rid)
+        refusal = None
+        if too_long is not None:        # refused before anything else; logged by its first bytes only
+            if not req.cancel:
+                await s.emit(codec.encode_error(codec.echoed_id(rid), grpc.StatusCode.INVALID_ARGUMENT, too_long))
+                account(self._pipeline.metrics, codec.shown_id(rid), None, grpc.StatusCode.INVALID_ARGUMENT, 0.0)
+        elif req.cancel:
+            s.cancel(rid)
+        elif rid in s.in_flight:
+            refusal = to_status(InvalidRequest("request_id", f"{rid!r} is already in flight on this stream"))
+        else:
+            try:
+                self._pipeline.check_request(len(s.in_flight))
+                s.start(rid, self._serve_one(req, s))
+            except LogitServeError as e:
+                refusal = to_status(e)
+        if refusal is not None:
+            await s.emit(codec.encode_error(rid, *refusal))
 
     async def _decode(self, req: pb.ForwardRequest, client: str) -> Decoded:
         ids = offsets = None
@@ -181,34 +153,101 @@ class LogitServeServicer(pb_grpc.LogitServeServicer):
         return Decoded(codec.decode_job(req, ids), req.timeout_s if req.HasField("timeout_s") else None,
                        text_ids=ids, text_offsets=offsets)
 
-    async def _serve_one(self, req: pb.ForwardRequest, emit, in_flight: dict, cancel_requested: set,
-                         client: str) -> None:
-        rid = req.request_id
-        n = 0
-        metrics = self._pipeline.metrics
-
-        async def send(msg) -> None:
-            if metrics is not None:
-                metrics.bytes_sent.inc(msg.ByteSize())
-            await emit(msg)
-
-        async def sink(piece) -> None:
-            nonlocal n
-            for msg in codec.encode_piece(rid, piece, self._max_message_bytes):
-                await send(msg)
-                n += 1
-
+    async def _serve_one(self, req: pb.ForwardRequest, s: "_Stream") -> None:
+        """One request: decoded, run through the pipeline, each piece sent as chunk messages, then its done or
+        error message."""
+        rid, n = req.request_id, 0
         try:
-            outcome = await self._pipeline.run(rid, client, lambda: self._decode(req, client), sink)
-            if outcome.ok:
-                await send(codec.encode_done(rid, outcome.job, self._identity, n, self._info.batching, outcome.shared))
-            else:
-                await send(codec.encode_error(rid, outcome.status, outcome.message))
+            async with self._pipeline.request(rid, s.client) as r:
+                decoded = await self._decode(req, s.client)
+                async for piece in r.run(decoded):
+                    for msg in codec.encode_piece(rid, piece, self._max_message_bytes):
+                        await s.send(msg)
+                        n += 1
+            await s.send(codec.encode_done(rid, r.outcome.job, self._identity, n, self._info.batching, r.shared))
+        except Failed as f:
+            await s.send(codec.encode_error(rid, f.outcome.status, f.outcome.message))
         except asyncio.CancelledError:
-            if rid in cancel_requested:   # a cancel message, not the stream closing: say so, then end quietly
-                cancel_requested.discard(rid)
-                await send(codec.encode_error(rid, grpc.StatusCode.CANCELLED, f"request {rid!r} cancelled by the client"))
-                return
-            raise
+            if not s.cancelled_by_client(rid):   # the stream closing, or the server stopping: no message
+                raise
+            await s.send(codec.encode_error(rid, grpc.StatusCode.CANCELLED, f"request {rid!r} cancelled by the client"))
         finally:
-            in_flight.pop(rid, None)
+            s.in_flight.pop(rid, None)
+
+
+class _Stream:
+    """One Forward stream's state: its outbox (at most STREAM_WINDOW messages ahead of the network), its
+    requests in flight by id, and why it ended early."""
+
+    def __init__(self, pipeline: Pipeline, client: str):
+        self._pipeline = pipeline
+        self.client = client
+        self.out: asyncio.Queue = asyncio.Queue()
+        self._window = asyncio.Semaphore(STREAM_WINDOW)
+        self.in_flight: dict[str, asyncio.Task] = {}
+        self.tasks: set[asyncio.Task] = set()         # the request tasks, until each is done
+        self._cancel_requested: set[str] = set()
+        self.broken: Optional[tuple[grpc.StatusCode, str]] = None   # the stream ends early: code and why
+        self.last_seen = time.monotonic()             # when the last request message arrived
+
+    async def emit(self, msg) -> None:
+        await self._window.acquire()
+        self.out.put_nowait(msg)
+
+    async def send(self, msg) -> None:
+        """A request's message, counted in the bytes-sent metric."""
+        if self._pipeline.metrics is not None:
+            self._pipeline.metrics.bytes_sent.inc(msg.ByteSize())
+        await self.emit(msg)
+
+    def finished(self, task: Optional[asyncio.Task] = None) -> None:
+        """A task of the stream is done: the outbox loop looks whether the stream is over."""
+        if task is not None:
+            self.tasks.discard(task)
+        self.out.put_nowait(_FINISHED)
+
+    def start(self, rid: str, serve) -> None:
+        """A request on its own task; in flight (and seen by a drain) from now, not from when it starts."""
+        task = asyncio.create_task(serve)
+        self.in_flight[rid] = task
+        self.tasks.add(task)
+        self._pipeline.add_task(task)
+        task.add_done_callback(self.finished)
+
+    def cancel(self, rid: str) -> None:
+        """The client's cancel message: the request ends with CANCELLED (an unknown id is ignored)."""
+        if rid in self.in_flight:
+            self._cancel_requested.add(rid)
+            self.in_flight[rid].cancel()
+
+    def cancelled_by_client(self, rid: str) -> bool:
+        """Whether `rid` was cancelled by the client's cancel message (asked once: the answer is then forgotten)."""
+        asked = rid in self._cancel_requested
+        self._cancel_requested.discard(rid)
+        return asked
+
+    async def messages(self, reader: asyncio.Task):
+        """The outbox's messages until the reader and every request are done (or draining and idle), or the
+        stream sat idle past --stream-idle-s."""
+        while (item := await self._next()) is not None:
+            if item is not _FINISHED:
+                self._window.release()
+                yield item
+            elif (reader.done() or self._pipeline.draining) and not self.tasks and self.out.empty():
+                break
+
+    async def _next(self):
+        """The next outbox item; None once nothing is in flight and no request came for --stream-idle-s."""
+        idle_s = self._pipeline.clients.limits.stream_idle_s
+        item, idle = None, False
+        while item is None and not idle:
+            if self.tasks or not self.out.empty():
+                item = await self.out.get()
+                continue
+            with contextlib.suppress(TimeoutError):    # nothing in flight: the stream may sit idle this long
+                item = await asyncio.wait_for(self.out.get(), idle_s)
+            idle = item is None and not self.tasks and time.monotonic() - self.last_seen >= idle_s
+        if idle and self.broken is None:
+            self.broken = (grpc.StatusCode.UNAVAILABLE, f"stream idle: no request in flight for {idle_s:g} s (the "
+                           f"server's --stream-idle-s); open a new stream")
+        return item

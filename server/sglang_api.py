@@ -19,7 +19,7 @@ from logitserve.errors import InvalidRequest, NotSupported
 from logitserve.spec import ModelKind
 
 from .http_answer import Deferred
-from .http_common import Ctx, check_request_id, clamp, fields, id_array, is_id_list, new_id
+from .http_common import Ctx, Prompts, check_request_id, clamp, fields, id_array, new_id
 from .params import Param, ParamTable
 from .requests import Decoded
 from .scoring import ScoreSpec, json_entries, rows_of, score_job
@@ -47,23 +47,15 @@ def _per_item(value: Any, n: int, field: str) -> list:
     return [value] * n
 
 
-async def _inputs(ctx: Ctx, body: dict, client: str) -> tuple[tuple, bool]:
-    """(ids per input, batched?) of `input_ids` or `text`."""
+async def _inputs(ctx: Ctx, body: dict, client: str) -> Prompts:
+    """The inputs of `input_ids` (a list of ids or of id lists) or `text` (a text or a list of texts)."""
     ids, text = body.get("input_ids"), body.get("text")
     if (ids is None) == (text is None):
         raise InvalidRequest("input_ids", "set exactly one of input_ids and text")
     if text is not None:
-        texts = [text] if isinstance(text, str) else text
-        if not isinstance(texts, list) or not texts or not all(isinstance(t, str) for t in texts):
-            raise InvalidRequest("text", "a text or a non-empty list of texts is needed")
-        ctx.pipeline.check_rows(len(texts), "text")
-        special = True
-        return await ctx.tokenize(texts, special, client, "text"), not isinstance(text, str)
-    if is_id_list(ids):
-        return (ctx.ids(ids, "input_ids"),), False
-    if not isinstance(ids, list) or not ids:
-        raise InvalidRequest("input_ids", "a list of token ids, or a non-empty list of them, is needed")
-    return ctx.id_lists(ids, "input_ids"), True
+        return await ctx.prompts(text, "text", client, "a text or a non-empty list of texts is needed", ids=False)
+    return await ctx.prompts(ids, "input_ids", client, "a list of token ids, or a non-empty list of them, is needed",
+                             texts=False)
 
 
 def _sampling(body: dict, n: int) -> tuple[float, int]:
@@ -103,41 +95,43 @@ class GeneratePlan:
 
 async def generate(ctx: Ctx, body: dict, client: str) -> Deferred:
     """POST /generate with max_new_tokens 0 (or 1): SGLang's meta_info input logprobs per input."""
-    plan: Optional[GeneratePlan] = None
+    async with ctx.pipeline.request(new_id("sglang"), client) as r:
+        plan, decoded = await _generate_plan(ctx, body, client)
+        out = await ctx.collect(r, decoded)
+    return Deferred(lambda: _generate_answer(ctx, plan, r.job, out))
 
-    async def decode() -> Decoded:
-        nonlocal plan
-        if ctx.loaded.kind is ModelKind.REWARD:
-            raise NotSupported("input_ids", "this server holds a reward model: POST /classify")
-        p = fields(body, GENERATE)
-        check_request_id(p.get("rid"), "rid")
-        if p.get("stream"):
-            raise InvalidRequest("stream", "this server answers whole; set stream to false")
-        seqs, batched = await _inputs(ctx, body, client)
-        T, gen = _sampling(body, len(seqs))
-        want = p.get("return_logprob", False)
-        given = _per_item(p.get("logprob_start_len"), len(seqs), "logprob_start_len") if want else [-1] * len(seqs)
-        starts = [len(x) - 1 if s in (None, -1) else s for x, s in zip(seqs, given)]
-        for i, (x, s) in enumerate(zip(seqs, starts)):
-            if s > len(x):
-                raise InvalidRequest("logprob_start_len", f"{s} is over input {i}'s length {len(x)}")
-        k = p.get("top_logprobs_num", 0) if want else 0
-        cand_ids = body.get("token_ids_logprob") if want else None
-        per = ctx.candidate_lists(cand_ids, len(seqs), "token_ids_logprob") if cand_ids else None
-        # nothing asked and nothing generated: the last position's logprob, zero rows of head work
-        spec = ScoreSpec(T, logprobs=want or not gen, k=k, generate=bool(gen), starts=tuple(starts))
-        # every position's candidates count in the answer's size, checked before they are expanded
-        ctx.check_json_size(json_entries(seqs, spec, len(per[0]) if per else 0), "input_token_logprobs")
-        if per:
-            spec = dataclasses.replace(spec, candidates=tuple(
-                np.tile(id_array(c, "token_ids_logprob"), (max(len(x) - 1 - s, 0), 1))
-                for c, x, s in zip(per, seqs, starts)))
-        plan = GeneratePlan(seqs, batched, spec, want, k, per, p.get("return_text_in_logprobs", False), starts)
-        return Decoded(score_job(seqs, spec), sequences_field="input_ids",
-                       temperature_field="sampling_params.temperature")
 
-    job, out = await ctx.run(new_id("sglang"), client, decode)
-    return Deferred(lambda: _generate_answer(ctx, plan, job, out))
+async def _generate_plan(ctx: Ctx, body: dict, client: str) -> tuple[GeneratePlan, Decoded]:
+    """What a /generate body asks, and its Job."""
+    if ctx.loaded.kind is ModelKind.REWARD:
+        raise NotSupported("input_ids", "this server holds a reward model: POST /classify")
+    p = fields(body, GENERATE)
+    check_request_id(p.get("rid"), "rid")
+    if p.get("stream"):
+        raise InvalidRequest("stream", "this server answers whole; set stream to false")
+    inputs = await _inputs(ctx, body, client)
+    seqs = inputs.seqs
+    T, gen = _sampling(body, len(seqs))
+    want = p.get("return_logprob", False)
+    given = _per_item(p.get("logprob_start_len"), len(seqs), "logprob_start_len") if want else [-1] * len(seqs)
+    starts = [len(x) - 1 if s in (None, -1) else s for x, s in zip(seqs, given)]
+    for i, (x, s) in enumerate(zip(seqs, starts)):
+        if s > len(x):
+            raise InvalidRequest("logprob_start_len", f"{s} is over input {i}'s length {len(x)}")
+    k = p.get("top_logprobs_num", 0) if want else 0
+    cand_ids = body.get("token_ids_logprob") if want else None
+    per = ctx.candidate_lists(cand_ids, len(seqs), "token_ids_logprob") if cand_ids else None
+    # nothing asked and nothing generated: the last position's logprob, zero rows of head work
+    spec = ScoreSpec(T, logprobs=want or not gen, k=k, generate=bool(gen), starts=tuple(starts))
+    # every position's candidates count in the answer's size, checked before they are expanded
+    ctx.check_json_size(json_entries(seqs, spec, len(per[0]) if per else 0), "input_token_logprobs")
+    if per:
+        spec = dataclasses.replace(spec, candidates=tuple(
+            np.tile(id_array(c, "token_ids_logprob"), (max(len(x) - 1 - s, 0), 1))
+            for c, x, s in zip(per, seqs, starts)))
+    plan = GeneratePlan(seqs, inputs.batched, spec, want, k, per, p.get("return_text_in_logprobs", False), starts)
+    return plan, Decoded(score_job(seqs, spec), sequences_field="input_ids",
+                         temperature_field="sampling_params.temperature")
 
 
 def _generate_answer(ctx: Ctx, s: GeneratePlan, job, out):

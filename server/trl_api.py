@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Optional
 
 import numpy as np
 
@@ -47,39 +46,39 @@ class SequencePlan:
 
 async def sequence_logprobs(ctx: Ctx, body: dict, client: str) -> Deferred:
     """POST /get_sequence_logprobs/: completion-token logprobs and top-k of each sequence."""
-    plan: Optional[SequencePlan] = None
+    async with ctx.pipeline.request(new_id("trl"), client) as r:
+        plan, decoded = _sequence_plan(ctx, body)
+        out = await ctx.collect(r, decoded)
+    return Deferred(lambda: _sequence_answer(plan, r.job, out))
 
-    async def decode() -> Decoded:
-        nonlocal plan
-        if ctx.loaded.kind is ModelKind.REWARD:
-            raise NotSupported("sequences", "this server holds a reward model: POST /classify")
-        p = fields(body, SEQUENCE_LOGPROBS)
-        raw = body.get("sequences")
-        if not isinstance(raw, list) or not raw:
-            raise InvalidRequest("sequences", "a non-empty list of token-id lists is needed")
-        seqs = ctx.id_lists(raw, "sequences")
-        pls = body.get("prompt_lengths")
-        if not isinstance(pls, list) or len(pls) != len(seqs):
-            raise InvalidRequest("prompt_lengths", f"one prompt length per sequence is needed ({len(seqs)})")
-        pls = [int(id_array([x], f"prompt_lengths[{i}]")[0]) for i, x in enumerate(pls)]
-        for i, (x, pl) in enumerate(zip(seqs, pls)):
-            if not 0 <= pl <= len(x):
-                raise InvalidRequest(f"prompt_lengths[{i}]", f"{pl} is outside [0, {len(x)}]")
-        k = p.get("top_logprobs", 100)
-        if k > ctx.loaded.vocab_size:
-            raise InvalidRequest("top_logprobs", f"{k} is over the vocabulary size {ctx.loaded.vocab_size}")
-        T = p.get("temperature", 1.0)
-        spec = ScoreSpec(1.0 if T == 0 else T, logprobs=True, k=k, starts=tuple(max(pl, 1) - 1 for pl in pls))
-        binary = p.get("response_format", "JSON") == "BINARY"
-        if binary:      # [B, T, k] fp32 + int32 arrays, then their base64 (4/3) beside them
-            hold_for_answer(json_entries(seqs, spec) * 8 * 3, "sequences: the binary answer")
-        else:
-            ctx.check_json_size(json_entries(seqs, spec), "sequences")
-        plan = SequencePlan(seqs, pls, spec, k, binary)
-        return Decoded(score_job(seqs, spec), sequences_field="sequences")
 
-    job, out = await ctx.run(new_id("trl"), client, decode)
-    return Deferred(lambda: _sequence_answer(plan, job, out))
+def _sequence_plan(ctx: Ctx, body: dict) -> tuple[SequencePlan, Decoded]:
+    """What a /get_sequence_logprobs/ body asks, and its Job."""
+    if ctx.loaded.kind is ModelKind.REWARD:
+        raise NotSupported("sequences", "this server holds a reward model: POST /classify")
+    p = fields(body, SEQUENCE_LOGPROBS)
+    raw = body.get("sequences")
+    if not isinstance(raw, list) or not raw:
+        raise InvalidRequest("sequences", "a non-empty list of token-id lists is needed")
+    seqs = ctx.id_lists(raw, "sequences")
+    pls = body.get("prompt_lengths")
+    if not isinstance(pls, list) or len(pls) != len(seqs):
+        raise InvalidRequest("prompt_lengths", f"one prompt length per sequence is needed ({len(seqs)})")
+    pls = [int(id_array([x], f"prompt_lengths[{i}]")[0]) for i, x in enumerate(pls)]
+    for i, (x, pl) in enumerate(zip(seqs, pls)):
+        if not 0 <= pl <= len(x):
+            raise InvalidRequest(f"prompt_lengths[{i}]", f"{pl} is outside [0, {len(x)}]")
+    k = p.get("top_logprobs", 100)
+    if k > ctx.loaded.vocab_size:
+        raise InvalidRequest("top_logprobs", f"{k} is over the vocabulary size {ctx.loaded.vocab_size}")
+    T = p.get("temperature", 1.0)
+    spec = ScoreSpec(1.0 if T == 0 else T, logprobs=True, k=k, starts=tuple(max(pl, 1) - 1 for pl in pls))
+    binary = p.get("response_format", "JSON") == "BINARY"
+    if binary:      # [B, T, k] fp32 + int32 arrays, then their base64 (4/3) beside them
+        hold_for_answer(json_entries(seqs, spec) * 8 * 3, "sequences: the binary answer")
+    else:
+        ctx.check_json_size(json_entries(seqs, spec), "sequences")
+    return SequencePlan(seqs, pls, spec, k, binary), Decoded(score_job(seqs, spec), sequences_field="sequences")
 
 
 def _sequence_answer(s: SequencePlan, job, out) -> dict:
@@ -132,28 +131,16 @@ CLASSIFY = ParamTable(Param("model", str, "the served model's name"),
 
 async def _scores(ctx: Ctx, client: str, inputs, special: bool, where: str) -> tuple[tuple, np.ndarray]:
     """(ids per input, raw scores [B, num_labels]) from the engine."""
-    seqs: tuple = ()
-
-    async def decode() -> Decoded:
-        nonlocal seqs
+    async with ctx.pipeline.request(new_id("classify"), client) as r:
         if ctx.loaded.kind is not ModelKind.REWARD:
             raise NotSupported(where, "this server holds a causal LM: POST /v1/completions, /generate or "
                                       "/get_sequence_logprobs/")
-        if isinstance(inputs, str) or (isinstance(inputs, list) and inputs and all(isinstance(t, str) for t in inputs)):
-            texts = [inputs] if isinstance(inputs, str) else inputs
-            ctx.pipeline.check_rows(len(texts), where)
-            seqs, text_ids = await ctx.tokenize(texts, special, client, where), True
-        elif is_id_list(inputs) and inputs:
-            seqs, text_ids = (ctx.ids(inputs, where),), False
-        elif isinstance(inputs, list) and inputs:
-            seqs, text_ids = ctx.id_lists(inputs, where), False
-        else:
-            raise InvalidRequest(where, "a text, token ids, or a non-empty list of either is needed")
-        return Decoded(Job(sequences=seqs, scores=True), sequences_field=where, text_field=where,
-                       text_ids=seqs if text_ids else None)
-
-    job, out = await ctx.run(new_id("classify"), client, decode)
-    return seqs, np.stack(out.arrays[OutputKind.SCORES])
+        prompts = await ctx.prompts(inputs, where, client, "a text, token ids, or a non-empty list of either is "
+                                                           "needed", special)
+        out = await ctx.collect(r, Decoded(Job(sequences=prompts.seqs, scores=True), sequences_field=where,
+                                           text_field=where,
+                                           text_ids=prompts.seqs if prompts.texts is not None else None))
+    return prompts.seqs, out.padded(OutputKind.SCORES).numpy()
 
 
 def use_activation(p: dict) -> bool:

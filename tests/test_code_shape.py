@@ -125,19 +125,11 @@ def test_the_import_graph_is_read():
     assert cycles({"a": {"b"}, "b": set()}) == []
 
 
-# What the function-length test finds today (strict xfail: when the last one goes, the test passes and the mark
-# must go). The import graph has no cycle any more (engine, batch_run and pipeline were untangled).
-TODAY_LONG = ("src/logitserve/validate.py:validate_job (70), server/cli.py:_cmd_serve (116), "
-              "server/http_conn.py:guarded_protocol (90, a class built around its limits), "
-              "server/servicer.py:_stream (82)")
-
-
 def test_no_import_cycle_among_logitserves_modules():
     found = cycles(import_graph())
     assert not found, "import cycles: " + "; ".join(" <-> ".join(c) for c in found)
 
 
-@pytest.mark.xfail(strict=True, reason=f"functions over {MAX_LINES} lines today: {TODAY_LONG}")
 def test_no_function_over_sixty_lines_in_src_and_server():
     found = long_functions()
     assert not found, f"functions over {MAX_LINES} lines: " + ", ".join(found)

@@ -82,6 +82,25 @@ def resolve_job(job: Job, limits: ModelLimits) -> Job:
 def validate_job(job: Job, limits: ModelLimits) -> None:
     """Raise InvalidRequest for the first thing in `job` outside its bound."""
     V = limits.vocab_size
+    _check_sequences(job, limits)
+    T = job.temperature
+    if not (math.isfinite(T) and MIN_TEMPERATURE <= T <= MAX_TEMPERATURE):
+        raise InvalidRequest("temperature", f"{T!r} must be a finite number > 0, within [{MIN_TEMPERATURE:g}, "
+                                            f"{MAX_TEMPERATURE:g}]: outside it z/T over- or underflows float32")
+    _check_outputs(job, limits.kind, V)
+    if job.prompt_lengths is not None:
+        _check_prompt_lengths(job)
+    if job.candidates is not None:
+        _check_candidates(job, V)
+    if job.full_logits is not None:
+        _check_full_logits(job, V)
+    if job.step_scores is not None:
+        _check_steps(job, V)
+    if job.reward_tokens is not None:
+        _check_reward_tokens(job, V)
+
+
+def _check_sequences(job: Job, limits: ModelLimits) -> None:
     if not job.sequences:
         raise InvalidRequest("sequences", "at least one sequence is needed")
     for i, seq in enumerate(job.sequences):
@@ -92,15 +111,12 @@ def validate_job(job: Job, limits: ModelLimits) -> None:
         if len(seq) > limits.max_seq_len:
             raise InvalidRequest(f"sequences[{i}]",
                                  f"length {len(seq)} is over the server's max_sequence_length {limits.max_seq_len}")
-        _check_ids(f"sequences[{i}]", seq, V)
+        _check_ids(f"sequences[{i}]", seq, limits.vocab_size)
 
-    T = job.temperature
-    if not (math.isfinite(T) and MIN_TEMPERATURE <= T <= MAX_TEMPERATURE):
-        raise InvalidRequest("temperature", f"{T!r} must be a finite number > 0, within [{MIN_TEMPERATURE:g}, "
-                                            f"{MAX_TEMPERATURE:g}]: outside it z/T over- or underflows float32")
 
-    _check_kind(job, limits.kind)
-
+def _check_outputs(job: Job, kind: ModelKind, V: int) -> None:
+    """Something is asked, what the model kind can give, with its options in their bounds."""
+    _check_kind(job, kind)
     if job.logprobs is not None:
         if job.logprobs.top_k is not None:
             _check_int_range("logprobs.top_k", job.logprobs.top_k, 1, V)
@@ -112,40 +128,42 @@ def validate_job(job: Job, limits: ModelLimits) -> None:
     if job.hidden_states is not None and job.hidden_states.dtype not in (WireDType.FP32, WireDType.BF16):
         raise InvalidRequest("hidden_states.dtype", f"{job.hidden_states.dtype.name}: hidden states travel as "
                                                     f"FLOAT32 or BFLOAT16")
-    if job.prompt_lengths is not None:
-        if len(job.prompt_lengths) != len(job.sequences):
-            raise InvalidRequest("prompt_lengths", f"{len(job.prompt_lengths)} given; one per sequence "
-                                                   f"({len(job.sequences)}) needed, or none")
-        for i, (P, seq) in enumerate(zip(job.prompt_lengths, job.sequences)):
-            if not 1 <= P <= len(seq):
-                raise InvalidRequest(f"prompt_lengths[{i}]", f"{P} is outside [1, {len(seq)}] (the length of "
-                                                             f"sequences[{i}])")
-    if job.candidates is not None:
-        if len(job.candidates) != len(job.sequences):
-            raise InvalidRequest("candidates.ids",
-                                 f"{len(job.candidates)} tensors given; one per sequence ({len(job.sequences)}) needed")
-        for i, (cand, seq) in enumerate(zip(job.candidates, job.sequences)):
-            a, b = job.token_rows(i)
-            rows, what = (len(seq), "L") if job.prompt_lengths is None else (b - a, "L - P")
-            if cand.ndim != 2 or cand.shape[0] != rows or cand.shape[1] < 1:
-                raise InvalidRequest(f"candidates.ids[{i}]",
-                                     f"shape {list(cand.shape)} must be [{what}={rows}, c] with c >= 1")
-            check_candidates_per_row(f"candidates.ids[{i}]", cand.shape[1], V)
-            _check_ids(f"candidates.ids[{i}]", cand, V)
-    if job.step_scores is not None:
-        _check_steps(job, V)
-    if job.reward_tokens is not None:
-        _check_reward_tokens(job, V)
-    if job.full_logits is not None:
-        sl = job.full_logits
-        for i, seq in enumerate(job.sequences):
-            s0, s1, v0, v1 = sl.bounds(len(seq), V)
-            if not (0 <= s0 < s1 <= len(seq)):
-                raise InvalidRequest("full_logits.seq_start/seq_end",
-                                     f"[{s0}, {s1}) is not a non-empty range inside [0, {len(seq)}) of sequences[{i}]")
-            if not (0 <= v0 < v1 <= V):
-                raise InvalidRequest("full_logits.vocab_start/vocab_end",
-                                     f"[{v0}, {v1}) is not a non-empty range inside [0, {V})")
+
+
+def _check_prompt_lengths(job: Job) -> None:
+    if len(job.prompt_lengths) != len(job.sequences):
+        raise InvalidRequest("prompt_lengths", f"{len(job.prompt_lengths)} given; one per sequence "
+                                               f"({len(job.sequences)}) needed, or none")
+    for i, (P, seq) in enumerate(zip(job.prompt_lengths, job.sequences)):
+        if not 1 <= P <= len(seq):
+            raise InvalidRequest(f"prompt_lengths[{i}]", f"{P} is outside [1, {len(seq)}] (the length of "
+                                                         f"sequences[{i}])")
+
+
+def _check_candidates(job: Job, V: int) -> None:
+    if len(job.candidates) != len(job.sequences):
+        raise InvalidRequest("candidates.ids",
+                             f"{len(job.candidates)} tensors given; one per sequence ({len(job.sequences)}) needed")
+    for i, (cand, seq) in enumerate(zip(job.candidates, job.sequences)):
+        a, b = job.token_rows(i)
+        rows, what = (len(seq), "L") if job.prompt_lengths is None else (b - a, "L - P")
+        if cand.ndim != 2 or cand.shape[0] != rows or cand.shape[1] < 1:
+            raise InvalidRequest(f"candidates.ids[{i}]",
+                                 f"shape {list(cand.shape)} must be [{what}={rows}, c] with c >= 1")
+        check_candidates_per_row(f"candidates.ids[{i}]", cand.shape[1], V)
+        _check_ids(f"candidates.ids[{i}]", cand, V)
+
+
+def _check_full_logits(job: Job, V: int) -> None:
+    sl = job.full_logits
+    for i, seq in enumerate(job.sequences):
+        s0, s1, v0, v1 = sl.bounds(len(seq), V)
+        if not (0 <= s0 < s1 <= len(seq)):
+            raise InvalidRequest("full_logits.seq_start/seq_end",
+                                 f"[{s0}, {s1}) is not a non-empty range inside [0, {len(seq)}) of sequences[{i}]")
+        if not (0 <= v0 < v1 <= V):
+            raise InvalidRequest("full_logits.vocab_start/vocab_end",
+                                 f"[{v0}, {v1}) is not a non-empty range inside [0, {V})")
 
 
 def check_listed(field: str, count: int) -> None:
