@@ -85,6 +85,9 @@ def possible(address: str, burst: Burst) -> int:
 def measure(address: str, burst: Burst, streams: int, repeats: int, **labels) -> dict:
     """One server, one burst: the possible, then `repeats` per-sequence sends (the first one a warm-up)."""
     best = possible(address, burst)
+    if best == 0:
+        raise SystemExit(f"{burst.shape}: P = {burst.P} shares nothing even in one request (under the server's "
+                         f"--min-shared-prefix, 64 by default); use a larger --scale")
     asyncio.run(send_per_sequence([address], burst, streams))
     runs = [asyncio.run(send_per_sequence([address], burst, streams)) for _ in range(repeats)]
     tokens = sum(len(s) for s in burst.seqs)
