@@ -12,15 +12,14 @@ closes between two of them computes the prompt twice. So the scheduler, for each
   latest of its jobs that counts was admitted, and never more than `share_wait_s` past `batch_delay_s`
   (`close_time`). A mate (a job admitted while a sequence with the same first `min_shared` tokens was
   queued or in the batch being gathered) always counts. While the server is in grouped mode (within
-  GROUPED_S seconds of a job that came as a mate, or that continued a prefix batched in the last
-  GROUPED_S seconds: its callers send groups in parts) every job with a shareable sequence counts, as
-  it may be a group's first. So traffic that never comes in parts (lone
+  GROUPED_S seconds of a mate: its callers send groups in parts) every job with a shareable sequence
+  counts, as it may be a group's first. A request sent again after its last answer (a benchmark's
+  loop, another epoch) is no mate: only parts in flight together are. So traffic that never comes in parts (lone
   requests, whole groups per request, distinct prompts, sequences too short to share) closes its
   batches exactly as before; in grouped mode a request may wait up to `share_wait_s` longer.
 """
 from __future__ import annotations
 
-import collections
 from dataclasses import dataclass
 from typing import Hashable, Iterable, Iterator, Optional
 
@@ -29,8 +28,7 @@ import numpy as np
 from logitserve.prefix import share_cap
 from logitserve.spec import Job
 
-GROUPED_S = 10.0       # grouped mode lasts this long after the latest group seen in parts
-RECENT_KEYS = 4096     # prefix keys of recent batches remembered (to see a group's parts across batches)
+GROUPED_S = 10.0       # grouped mode lasts this long after the latest mate
 
 
 @dataclass(frozen=True)
@@ -144,21 +142,3 @@ class QueuedKeys:
                 seen[job] = None
         return iter(list(seen))
 
-
-class RecentKeys:
-    """The prefix keys of recently batched jobs, with when (at most RECENT_KEYS, oldest forgotten first)."""
-
-    def __init__(self, size: int = RECENT_KEYS):
-        self._at: collections.OrderedDict[bytes, float] = collections.OrderedDict()
-        self._size = size
-
-    def add(self, shares: tuple[Shareable, ...], now: float) -> None:
-        for s in shares:
-            self._at[s.key] = now
-            self._at.move_to_end(s.key)
-        while len(self._at) > self._size:
-            self._at.popitem(last=False)
-
-    def seen_since(self, shares: tuple[Shareable, ...], since: float) -> bool:
-        """Whether one of these keys was batched at or after `since`."""
-        return any(self._at.get(s.key, float("-inf")) >= since for s in shares)

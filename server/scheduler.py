@@ -38,7 +38,7 @@ from logitserve.events import Event, JobFailed, JobPiece, Piece, SharedTokens, S
 from logitserve.spec import Job
 
 from .admission import UNKNOWN, Tally
-from .grouping import GROUPED_S, Gathering, QueuedKeys, RecentKeys, Shareable, close_time
+from .grouping import GROUPED_S, Gathering, QueuedKeys, Shareable, close_time
 from .ticket import DONE, Failed, Gone, Ticket
 
 # (jobs, skip) -> the batch's events: its jobs' pieces, shared tokens and failures (a StageTime is the runner's)
@@ -87,7 +87,6 @@ class Scheduler:
         self._shares = shares
         self._keys = QueuedKeys()    # queued jobs by their prefix keys
         self._gathering: Optional[Gathering] = None   # the batch being gathered
-        self._recent = RecentKeys()                   # prefix keys batched lately
         self._split_at = float("-inf")                # when a group was last seen coming in parts (grouped mode)
         self._metrics = metrics      # server.metrics.Metrics, or None
         self.config = config
@@ -188,7 +187,7 @@ class Scheduler:
             self._held.add(client, hold)
             ticket.mate = bool(shares) and (self._keys.holds(shares) or (
                 self._gathering is not None and self._gathering.holds(shares)))
-            if ticket.mate or (shares and self._recent.seen_since(shares, ticket.admitted - GROUPED_S)):
+            if ticket.mate:
                 self._split_at = ticket.admitted
             self._keys.add(ticket, shares)
             self._queues.setdefault(client, collections.deque()).append(ticket)
@@ -329,8 +328,6 @@ class Scheduler:
                     break
                 self._cond.wait(timeout=left)
             self._gathering = None
-            for t in batch:
-                self._recent.add(t.shares, opened)
         batch.sort(key=lambda t: t.work)   # cheapest first: packs and head chunks follow this order, so a small
         return batch                       # request sharing a batch with a large one is not computed after it
 
