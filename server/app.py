@@ -30,6 +30,7 @@ from logitserve.kserve import grpc_predict_v2_pb2_grpc as kpb_grpc
 
 from . import codec
 from .scheduler import Scheduler, SchedulerConfig, engine_batch_runner
+from .grouping import shareables
 from .budget import device_budget, memory_estimator  # noqa: F401 (memory_estimator re-exported)
 from .kserve import KServeServicer
 from .gate import SERVICE_NAME, Gate, Listening, PortInUse, check_port_free, open_port  # noqa: F401 (re-exported)
@@ -200,8 +201,10 @@ async def create_server(loaded: LoadedModel, config: ServerConfig, layout: Optio
     estimate = estimate or memory_estimator(loaded, config, loaded.vocab_size, pack_tokens=pack_tokens)
     listening = listening or await open_port(config)
     metrics = Metrics()
+    min_shared = config.engine.min_shared_prefix if batching is Batching.PACKED else 0
     scheduler = Scheduler(run_batch, config.scheduler, estimate=estimate, idle=idle, metrics=metrics,
-                          cost=lambda job: cost_of(job, loaded.vocab_size, loaded.num_labels or 1, loaded.head.in_features))
+                          cost=lambda job: cost_of(job, loaded.vocab_size, loaded.num_labels or 1, loaded.head.in_features),
+                          shares=(lambda job: shareables(job, min_shared, loaded.vocab_size)) if min_shared else None)
     metrics.bind_scheduler(scheduler)
     if listening.auth is not None:
         listening.auth.on_failure = metrics.auth_failures.inc

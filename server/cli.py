@@ -42,7 +42,7 @@ def _serve_parser(sub, formatter) -> None:
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     p.add_argument("--collective-timeout", type=float, default=60.0, help="seconds before a collective fails")
     p.add_argument("--max-batch-tokens", type=int, default=16384,
-                   help="tokens per batch across all streams (and per packed body)")
+                   help="tokens per batch across all streams (and per packed body); a shared prefix counts once")
     p.add_argument("--batching", choices=["packed", "exact"], default="packed",
                    help="packed: a batch's sequences share one packed body (faster; fp32 within 1e-5 of exact); "
                         "exact: each sequence alone (bitwise batch invariant). CP always runs exact")
@@ -50,6 +50,10 @@ def _serve_parser(sub, formatter) -> None:
                    help="packed: sequences of a batch sharing >= N leading tokens (before any row asked for) "
                         "compute that prefix once; 0 = off")
     p.add_argument("--batch-delay-ms", type=float, default=2.0, help="wait after the first request for others")
+    p.add_argument("--share-wait-ms", type=float, default=5.0, metavar="MS",
+                   help="packed: a batch whose groups (sequences sharing >= --min-shared-prefix leading tokens) keep "
+                        "arriving as separate requests stays open until MS after the latest, at most MS past "
+                        "--batch-delay-ms, so their prefix is computed once; 0 = never wait")
     p.add_argument("--max-queued-tokens", type=int, default=1 << 20,
                    help="tokens waiting or running; past it RESOURCE_EXHAUSTED")
     p.add_argument("--memory-budget", type=_size, default=None,
@@ -293,6 +297,7 @@ def _server_config(args, head_limits):
     from .security import SecurityConfig
 
     scheduler = SchedulerConfig(max_batch_tokens=args.max_batch_tokens, batch_delay_s=args.batch_delay_ms / 1e3,
+                                share_wait_s=args.share_wait_ms / 1e3,
                                 max_queued_tokens=args.max_queued_tokens, memory_budget_bytes=args.memory_budget,
                                 stall_timeout_s=args.stall_timeout, overlap=not args.no_overlap,
                                 max_buffered_bytes=args.max_buffered_bytes,

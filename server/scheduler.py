@@ -11,6 +11,9 @@
 - Batching: the first job taken opens a batch; jobs arriving within `batch_delay_s` join while the
   batch stays under `max_batch_tokens`. A batch is one broadcast to the ranks and, in packed mode,
   one packed body (see logitserve.engine for the modes).
+- Groups sent one sequence per request (server.grouping): a sequence continuing a prefix the batch
+  holds counts only its own tokens, queued jobs continuing one join out of turn when they fit, and
+  while more of a group keep arriving the batch stays open up to `share_wait_s` longer.
 - The compute thread never waits on a client that holds anyone up: finished pieces go to the job's
   buffer (at most `max_buffered_bytes`, reserved in the memory budget). A job whose buffer is full
   waits for its reader only while no other job waits (at most `stall_timeout_s`, kept below the
@@ -35,6 +38,7 @@ from logitserve.events import Event, JobFailed, JobPiece, Piece, SharedTokens, S
 from logitserve.spec import Job
 
 from .admission import UNKNOWN, Tally
+from .grouping import GROUPED_S, Gathering, QueuedKeys, Shareable, close_time
 from .ticket import DONE, Failed, Gone, Ticket
 
 # (jobs, skip) -> the batch's events: its jobs' pieces, shared tokens and failures (a StageTime is the runner's)
@@ -46,6 +50,8 @@ _MiB = 2 ** 20
 class SchedulerConfig:
     max_batch_tokens: int = 16384        # tokens per batch (--max-batch-tokens)
     batch_delay_s: float = 0.002         # wait this long after the first job for others to join
+    share_wait_s: float = 0.005          # while more of a batch's groups arrive, wait up to this much longer
+                                         # (--share-wait-ms; 0: never; server.grouping)
     max_queued_tokens: int = 1 << 20     # work tokens waiting or running (--max-queued-tokens)
     max_queued_tokens_per_client: Optional[int] = None   # one client's share (--max-queued-tokens-per-client; half)
     memory_budget_bytes: Optional[int] = None   # bound on peak estimate + bytes held by admitted requests
@@ -57,6 +63,9 @@ class SchedulerConfig:
     def __post_init__(self):
         if self.max_batch_tokens < 1 or self.max_queued_tokens < 1 or self.max_buffered_bytes < 1:
             raise ValueError(f"max_batch_tokens, max_queued_tokens and max_buffered_bytes must be >= 1: {self}")
+        if self.batch_delay_s < 0 or self.share_wait_s < 0:
+            raise ValueError(f"batch_delay_s={self.batch_delay_s} (--batch-delay-ms) and share_wait_s={self.share_wait_s} "
+                             f"(--share-wait-ms) must be >= 0")
 
     @property
     def client_queued_tokens(self) -> int:
@@ -71,8 +80,14 @@ class SchedulerConfig:
 class Scheduler:
     def __init__(self, run_batch: BatchRun, config: SchedulerConfig = SchedulerConfig(),
                  estimate: Optional[Callable[[Job], int]] = None, idle: Optional[Callable[[], None]] = None,
-                 metrics=None, cost: Optional[Callable[[Job], Cost]] = None):
+                 metrics=None, cost: Optional[Callable[[Job], Cost]] = None,
+                 shares: Optional[Callable[[Job], tuple[Shareable, ...]]] = None):
+        """`shares`: a job's sequences that may share a prefix (server.grouping.shareables); None: no sharing."""
         self._run_batch = run_batch
+        self._shares = shares
+        self._keys = QueuedKeys()    # queued jobs by their prefix keys
+        self._gathering: Optional[Gathering] = None   # the batch being gathered
+        self._split_at = float("-inf")                # when a group was last seen coming in parts (grouped mode)
         self._metrics = metrics      # server.metrics.Metrics, or None
         self.config = config
         self._estimate = estimate
@@ -149,6 +164,7 @@ class Scheduler:
                                f"{max(len(s) for s in job.sequences)} tokens), over --memory-budget "
                                f"{c.memory_budget_bytes / _MiB:.0f} MiB")
         cost = cost or self.cost(job)
+        shares = self._shares(job) if self._shares is not None else ()
         work = cost.work_tokens if cost is not None else job.num_tokens
         hold = self._hold(cost, extra_hold)
         if c.memory_budget_bytes is not None and hold + peak > c.memory_budget_bytes:
@@ -166,9 +182,14 @@ class Scheduler:
                                 f"> --max-queued-tokens-per-client {c.client_queued_tokens}; retry later")
             self._check_budget(client, hold, peak)
             bound = c.max_buffered_bytes if c.overlap else 0
-            ticket = Ticket(job, client, work, hold, asyncio.get_running_loop(), bound)
+            ticket = Ticket(job, client, work, hold, asyncio.get_running_loop(), bound, shares)
             self._work.add(client, work)
             self._held.add(client, hold)
+            ticket.mate = bool(shares) and (self._keys.holds(shares) or (
+                self._gathering is not None and self._gathering.holds(shares)))
+            if ticket.mate:
+                self._split_at = ticket.admitted
+            self._keys.add(ticket, shares)
             self._queues.setdefault(client, collections.deque()).append(ticket)
             self._cond.notify()
         return ticket
@@ -205,6 +226,7 @@ class Scheduler:
                 return
             if not queue:
                 del self._queues[ticket.client]
+            self._keys.remove(ticket, ticket.shares)
             self._release_work([ticket])
 
     def _release_work(self, tickets: list[Ticket]) -> None:
@@ -249,7 +271,33 @@ class Scheduler:
         del self._queues[client]
         if queue:
             self._queues[client] = queue
+        self._keys.remove(ticket, ticket.shares)
         return ticket
+
+    def _take_out_of_turn(self, ticket: Ticket) -> None:
+        """Take a queued job that is not next in turn; its client keeps its place in the rotation."""
+        queue = self._queues[ticket.client]
+        queue.remove(ticket)
+        if not queue:
+            del self._queues[ticket.client]
+        self._keys.remove(ticket, ticket.shares)
+
+    def _fill(self, batch: list[Ticket], tokens: int) -> int:
+        """Add the jobs next in turn while they fit, then queued jobs continuing a prefix of the batch (they add
+        their own tokens only); the batch's tokens after."""
+        limit, g = self.config.max_batch_tokens, self._gathering
+        while (nxt := self._peek()) is not None and tokens + (n := g.body_tokens(nxt.tokens, nxt.shares)) <= limit:
+            tokens += n
+            batch.append(self._pop())
+            g.add(nxt)
+        for mate in self._keys.mates(g.keys()):
+            n = g.body_tokens(mate.tokens, mate.shares)
+            if tokens + n <= limit:
+                tokens += n
+                self._take_out_of_turn(mate)
+                batch.append(mate)
+                g.add(mate)
+        return tokens
 
     def _next_batch(self) -> Optional[list[Ticket]]:
         c = self.config
@@ -265,18 +313,21 @@ class Scheduler:
                         self._cond.acquire()
             if self._stopping:
                 return None
+            opened = time.monotonic()
             batch = [self._pop()]
-            tokens = batch[0].tokens
-            deadline = time.monotonic() + c.batch_delay_s
+            self._gathering = g = Gathering()
+            tokens = g.body_tokens(batch[0].tokens, batch[0].shares)
+            g.add(batch[0])
             while True:
-                while (nxt := self._peek()) is not None and tokens + nxt.tokens <= c.max_batch_tokens:
-                    tokens += nxt.tokens
-                    batch.append(self._pop())
-                left = deadline - time.monotonic()
+                tokens = self._fill(batch, tokens)
+                grouped = opened - self._split_at < GROUPED_S
+                left = close_time(opened, g.last(grouped), c.batch_delay_s, c.share_wait_s) - time.monotonic()
                 nxt = self._peek()
-                if left <= 0 or tokens >= c.max_batch_tokens or (nxt is not None and tokens + nxt.tokens > c.max_batch_tokens):
+                if left <= 0 or tokens >= c.max_batch_tokens or (
+                        nxt is not None and tokens + g.body_tokens(nxt.tokens, nxt.shares) > c.max_batch_tokens):
                     break
                 self._cond.wait(timeout=left)
+            self._gathering = None
         batch.sort(key=lambda t: t.work)   # cheapest first: packs and head chunks follow this order, so a small
         return batch                       # request sharing a batch with a large one is not computed after it
 

@@ -36,8 +36,11 @@ def _nbytes(item) -> int:
 class Ticket:
     """One job's place in the queue and its byte-bounded buffer back to the event loop."""
 
-    def __init__(self, job: Job, client: str, work: int, hold: int, loop: asyncio.AbstractEventLoop, bound: int):
+    def __init__(self, job: Job, client: str, work: int, hold: int, loop: asyncio.AbstractEventLoop, bound: int,
+                 shares: tuple = ()):
         self.job, self.client = job, client
+        self.shares = shares             # its sequences that may share a prefix (server.grouping.Shareable)
+        self.mate = False                # admitted while a job with one of its prefixes was queued or being batched
         self.tokens = job.num_tokens     # what a batch holds (max_batch_tokens)
         self.work = work                 # what the queue counts (max_queued_tokens)
         self.hold = hold                 # bytes reserved in the memory budget until the request ends

@@ -46,6 +46,12 @@ def _common_prefix(rows: list[np.ndarray], upto: int) -> int:
     return int(bad[0]) if bad.size else len(first)
 
 
+def share_cap(length: int, first_read: int) -> int:
+    """How many leading tokens of a sequence may be shared: it keeps one token of its own, and no row anything
+    reads falls inside the prefix."""
+    return min(length - 1, first_read)
+
+
 def find_groups(wanted: Sequence[Wanted], min_shared: int) -> tuple[list[Group], list[Wanted]]:
     """(groups of >= 2 sequences sharing >= min_shared tokens, the sequences left alone), in first-seen order."""
     if min_shared < 1:
@@ -53,7 +59,7 @@ def find_groups(wanted: Sequence[Wanted], min_shared: int) -> tuple[list[Group],
     buckets: dict[bytes, list[Wanted]] = {}
     alone: list[Wanted] = []
     for w in wanted:
-        cap = min(len(w.ids) - 1, w.first_read)          # one own token at least; no read row inside the prefix
+        cap = share_cap(len(w.ids), w.first_read)
         if cap < min_shared:
             alone.append(w)
             continue
@@ -63,7 +69,7 @@ def find_groups(wanted: Sequence[Wanted], min_shared: int) -> tuple[list[Group],
         if len(members) < 2:
             alone += members
             continue
-        cap = min(min(len(w.ids) - 1, w.first_read) for w in members)
+        cap = min(share_cap(len(w.ids), w.first_read) for w in members)
         groups.append(Group(_common_prefix([w.ids for w in members], cap), tuple(members)))
     return groups, alone
 
