@@ -9,7 +9,7 @@ CPU) it builds `--groups` groups of G sequences sharing a prompt, then for each 
 - sends it one sequence per request, every request in flight at once over `--streams` streams, response
   logprobs asked (prompt_lengths = P), and sums the requests' `shared_prefix_tokens`.
 It reports the fraction of the possible shared and the burst's tokens (all of every sequence) per second.
-The workload, the sender and the report are separate functions, so a mode over several replicas can reuse them.
+Over two replicas through TeacherPool (group affinity against round-robin): bench/fleet_pool.py.
 """
 from __future__ import annotations
 

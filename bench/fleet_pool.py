@@ -1,5 +1,5 @@
-"""Two replicas, one request per sequence, every group's sequences in flight at once: TeacherPool's group
-affinity against today's client spreading streams round-robin over the replicas.
+"""Two replicas (bench/fleet.py measures one server), one request per sequence, every group's sequences in flight
+at once: TeacherPool's group affinity against today's client spreading streams round-robin over the replicas.
 
 `python bench/fleet_pool.py [--groups 16 --group-size 8 --prompt 2048 --response 256 --demo-shape body]`
 starts two `logitserve serve` processes (one torch thread each, --threads 1), sends the agentic shape of
