@@ -10,7 +10,7 @@ type (REQUEST_PARAMETERS: a whole-number double is accepted for an integer, noth
 unknown parameter is refused. INT64 ids that do not fit int32 are refused, never wrapped.
 Outputs, by name: `token_logprobs` FP32 [B, L], `topk_values` [B, L, k], `topk_ids` INT32 [B, L, k],
 `topk_tail` FP32 [B, L], `candidate_logprobs` FP32 [B, L, c], `full_logits` FP32 [B, s1-s0, v1-v0],
-`scores` FP32 [B, num_labels]; none asked: token_logprobs (causal LM) or scores (reward model).
+`scores` FP32 [B, num_labels]; none asked: token_logprobs (causal LM) or scores (sequence or token classifier).
 Rows past a sequence's length are 0. Tensors travel raw (BF16 as its 2-byte bits). No math here.
 """
 from __future__ import annotations
@@ -134,7 +134,7 @@ def decode(req: kpb.ModelInferRequest, kind: ModelKind, max_sequences: int = 409
     """The Job, the output names and the typed parameters of a ModelInferRequest (its deadline: timeout_of);
     malformed input raises InvalidRequest naming the input or parameter; more than `max_sequences` rows,
     TooLarge before anything per row is built (a [2^32, 0] tensor holds no bytes but 2^32 rows)."""
-    names = [o.name for o in req.outputs] or (["scores"] if kind is ModelKind.REWARD else ["token_logprobs"])
+    names = [o.name for o in req.outputs] or (["token_logprobs"] if kind is ModelKind.CAUSAL_LM else ["scores"])
     unknown = sorted(set(names) - set(OUTPUTS))
     if unknown:
         raise InvalidRequest("outputs", f"{[n[:64] for n in unknown[:4]]} unknown; outputs are {sorted(OUTPUTS)}")
@@ -238,7 +238,7 @@ class KServeServicer(kpb_grpc.GRPCInferenceServiceServicer):
         """(inputs, outputs) as (name, datatype, shape, optional); -1: any size."""
         inputs = [("input_ids", "INT32", [-1, -1], False), ("sequence_lengths", "INT32", [-1], True),
                   ("candidate_ids", "INT32", [-1, -1, -1], True), ("prompt_lengths", "INT32", [-1], True)]
-        if self._loaded.kind is ModelKind.REWARD:
+        if self._loaded.kind is not ModelKind.CAUSAL_LM:     # sequence and token classifiers: their scores
             return inputs, [("scores", "FP32", [-1, self._loaded.num_labels], True)]
         return inputs, [("token_logprobs", "FP32", [-1, -1], True), ("topk_values", "FP32", [-1, -1, -1], True),
                         ("topk_ids", "INT32", [-1, -1, -1], True), ("topk_tail", "FP32", [-1, -1], True),

@@ -10,7 +10,9 @@
   embedding (verl reads data[-1].embedding[-1]).
 - POST /score and /v1/score (vLLM): text_1 x text_2 pairs -> data[{index, object: "score", score}].
 A reward is the score of the model's last label (its only one for a scalar reward model), as verl
-reads probs[-1]; raw, as OpenRLHF's own server returns it. Texts are tokenized by the rules of
+reads probs[-1]; raw, as OpenRLHF's own server returns it. On a process reward model (a token
+classifier) /get_reward's reward is the last step's score and the step scores go to extra_logs
+(server/reward_steps.py); the other routes score its last token. Texts are tokenized by the rules of
 server/reward_text.py. Every score comes from the engine (one Job of scores); no math here.
 """
 from __future__ import annotations
@@ -25,6 +27,7 @@ from logitserve.errors import InvalidRequest, NotSupported
 from logitserve.spec import Job, ModelKind, OutputKind
 
 from .http_common import Ctx, b64_array, fields, is_id_list, new_id
+from . import reward_steps
 from .params import Param, ParamTable
 from .requests import Decoded
 from .reward_text import conversations, text_list, tokenize_chat, tokenize_templated
@@ -50,7 +53,7 @@ Prepare = Callable[[], Awaitable[tuple]]
 
 
 def _need_reward(ctx: Ctx, where: str) -> None:
-    if ctx.loaded.kind is not ModelKind.REWARD:
+    if ctx.loaded.kind not in (ModelKind.REWARD, ModelKind.TOKEN_REWARD):
         raise NotSupported(where, "this server holds a causal LM, not a reward model: POST /generative_scoring for "
                                   "label-token probabilities, or /v1/completions")
 
@@ -68,6 +71,20 @@ async def scores(ctx: Ctx, client: str, where: str, prepare: Prepare) -> tuple[t
 def _rewards(raw: np.ndarray) -> list[float]:
     """The last label's raw score of each input, as Python floats (their exact float32 values)."""
     return raw[:, -1].astype(np.float64).tolist()
+
+
+async def rewards(ctx: Ctx, client: str, where: str, prepare: Prepare, body: dict) -> tuple[list[float], dict]:
+    """(each input's reward, OpenRLHF's extra_logs): a sequence classifier's last-label score; a process reward
+    model's last step's (server/reward_steps.py), its step scores in extra_logs."""
+    if ctx.loaded.kind is not ModelKind.TOKEN_REWARD:
+        return _rewards((await scores(ctx, client, where, prepare))[1]), {}
+    async with ctx.pipeline.request(new_id("reward"), client) as r:
+        steps = reward_steps.separators(ctx, body)
+        seqs = await prepare()
+        reward_steps.check_steps(steps, seqs, where)
+        out = await ctx.collect(r, Decoded(Job(sequences=seqs, step_scores=steps), sequences_field=where))
+    values, per_step = reward_steps.step_rewards(out, len(seqs))
+    return values, reward_steps.extra_logs(per_step)
 
 
 async def get_reward(ctx: Ctx, body: dict, client: str):
@@ -88,9 +105,8 @@ async def get_reward(ctx: Ctx, body: dict, client: str):
     else:
         prepare = partial(tokenize_templated, ctx, text_list(query, "query"), client, "query",
                           p.get("add_special_tokens"))
-    _, raw = await scores(ctx, client, "messages" if messages is not None else "query", prepare)
-    values = _rewards(raw)
-    return {"rewards": values, "scores": values, "extra_logs": {}}
+    values, logs = await rewards(ctx, client, "messages" if messages is not None else "query", prepare, body)
+    return {"rewards": values, "scores": values, "extra_logs": logs}
 
 
 async def _slime(ctx: Ctx, body: dict, client: str) -> float:
@@ -109,8 +125,7 @@ async def _slime(ctx: Ctx, body: dict, client: str) -> float:
     else:
         raise InvalidRequest("prompt", f"slime's sample: a text or a list of messages is needed, got "
                                        f"{type(prompt).__name__}")
-    _, raw = await scores(ctx, client, "prompt", prepare)
-    return _rewards(raw)[0]
+    return (await rewards(ctx, client, "prompt", prepare, body))[0][0]
 
 
 async def texts_or_ids(ctx: Ctx, value: Any, client: str, where: str, special) -> tuple:

@@ -132,7 +132,7 @@ CLASSIFY = ParamTable(Param("model", str, "the served model's name"),
 async def _scores(ctx: Ctx, client: str, inputs, special: bool, where: str) -> tuple[tuple, np.ndarray]:
     """(ids per input, raw scores [B, num_labels]) from the engine."""
     async with ctx.pipeline.request(new_id("classify"), client) as r:
-        if ctx.loaded.kind is not ModelKind.REWARD:
+        if ctx.loaded.kind is ModelKind.CAUSAL_LM:     # a token classifier (PRM): its last token's scores
             raise NotSupported(where, "this server holds a causal LM: POST /v1/completions, /generate or "
                                       "/get_sequence_logprobs/")
         prompts = await ctx.prompts(inputs, where, client, "a text, token ids, or a non-empty list of either is "

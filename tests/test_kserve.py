@@ -121,3 +121,25 @@ def test_config_statistics_and_index_count_both_apis(model_dirs):
         assert sample("UNAVAILABLE", "none") == 1                                 # refused before decoding
     finally:
         server.stop()
+
+
+def test_token_classifier_defaults_to_scores(tmp_path):
+    """A token-classification (process) reward model: no outputs asked gives scores (its last token's row, as for
+    sequence classifiers), not token outputs, and its metadata lists scores only."""
+    from helpers import build_model, serve_dir
+
+    directory = build_model(tmp_path / "prm", "llama", kind="token", num_labels=2, seed=7)
+    seqs = random_seqs(np.random.default_rng(43), [5, 12], vocab=VOCAB)
+    server = serve_dir(directory)
+    try:
+        with grpc.insecure_channel(server.address) as ch:
+            stub = kpb_grpc.GRPCInferenceServiceStub(ch)
+            meta = stub.ModelMetadata(kpb.ModelMetadataRequest(name=""))
+            resp = stub.ModelInfer(kserve_request(seqs, []))
+    finally:
+        server.stop()
+    assert [t.name for t in meta.outputs] == ["scores"] and [o.name for o in resp.outputs] == ["scores"]
+    model = Reference(directory).model
+    with torch.no_grad():
+        want = [model(torch.as_tensor([s.tolist()])).logits[0, -1].numpy() for s in seqs]
+    assert_close(kserve_tensor(resp, "scores"), np.stack(want))

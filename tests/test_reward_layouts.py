@@ -1,5 +1,6 @@
 """Reward models under every layout, through the real CLI: a token classifier's token and step scores under CP (TP and
-PP: slow), a sequence classifier's scores under PP (TP x PP: slow), against plain transformers in float64."""
+PP: slow), a sequence classifier's scores under PP (TP x PP: slow) and its HTTP reward routes under TP and PP, against
+plain transformers in float64."""
 from __future__ import annotations
 
 import os
@@ -74,3 +75,30 @@ def test_sequence_scores_under_pp(reward_dirs, layout):
     for seq, score in zip(seqs, got):
         assert score.shape == (2,)
         assert_close(score, _ref(ref, seq))
+
+
+@pytest.mark.parametrize("layout", ["--tp 2", "--pp 2"])
+def test_reward_routes_under_layouts(tmp_path, layout):
+    """OpenRLHF's /get_reward batch and verl's /classify call against a sharded sequence classifier: every reward and
+    logit within 1e-5 of float64 transformers (ids from the test's own tokenizer)."""
+    from helpers import VOCAB, post
+    from logitserve.demo import demo_tokenizer
+    from transformers import AutoTokenizer
+
+    directory = build_model(tmp_path / "rm", "llama", kind="reward", num_labels=2, seed=8)
+    demo_tokenizer(VOCAB).save_pretrained(directory)
+    tok, ref = AutoTokenizer.from_pretrained(directory), Reference(directory)
+    queries = ["<s> t5 t6 t7 t8", "<s> t9 t10 t11 t12 t13 t14 t15 t16 t17 t18 t19 t20 t21 t22 t23 t24 t25", "<s> t4"]
+    ids = [tok(q, add_special_tokens=False)["input_ids"] for q in queries]
+    want = [_ref(ref, x) for x in ids]
+    server = _serve(directory, layout, "--http-port", "0")
+    try:
+        status, rewards = post(server.http, "/get_reward", {"query": queries, "prompts": ["p"] * 3, "labels": [""] * 3})
+        status2, classified = post(server.http, "/classify", {"model": "rm", "input": queries[1][4:],
+                                                              "activation": False})     # verl: BOS text stripped
+    finally:
+        assert server.stop() == 0, "".join(server.log[-20:])
+    assert status == 200 and status2 == 200, (rewards, classified)
+    assert_close(rewards["rewards"], [w[-1] for w in want])
+    assert rewards["extra_logs"] == {}
+    assert_close(classified["data"][-1]["probs"], want[1])

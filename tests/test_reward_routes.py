@@ -308,3 +308,70 @@ def test_openrlhf_own_client_fetches_rewards(rm, tmp_path):
     assert run.returncode == 0, run.stderr[-2000:]
     out = json.loads(run.stdout.strip().splitlines()[-1])
     assert_close([r for a in out for r in a["rewards"]], [_reward(ref, x) for x in ids])
+
+
+@pytest.fixture(scope="module")
+def prm(tmp_path_factory):
+    """A llama token classifier (a process reward model, 2 labels) served with --step-separator t7."""
+    from logitserve.demo import demo_tokenizer
+    from transformers import AutoTokenizer
+
+    directory = build_model(tmp_path_factory.mktemp("prm") / "prm", "llama", kind="token", num_labels=2, seed=6)
+    demo_tokenizer(VOCAB).save_pretrained(directory)
+    server, base = _served(directory, step_separator="t7")
+    yield base, server, Reference(directory), AutoTokenizer.from_pretrained(directory)
+    server.stop()
+
+
+@torch.no_grad()
+def _token_scores(ref: Reference, ids) -> np.ndarray:
+    """The float64 reference's [L, num_labels] token scores of one sequence."""
+    return ref.model(torch.as_tensor([list(ids)])).logits[0].numpy()
+
+
+def _steps(ref: Reference, tok, ids, sep: str = "t7") -> np.ndarray:
+    """The last label's float64 score at every separator, in order."""
+    return _token_scores(ref, ids)[np.flatnonzero(np.asarray(ids) == tok.convert_tokens_to_ids(sep)), -1]
+
+
+@pytest.mark.live_server
+def test_process_reward_model_get_reward_and_classify(prm):
+    """A PRM on /get_reward: OpenRLHF's batch (the last step's score as the reward, the step scores in extra_logs,
+    one per query as OpenRLHF's agent reads them), the body's step_separator_ids over --step-separator, slime's
+    sample; /classify (verl): the last token's scores, as for sequence classifiers."""
+    base, _, ref, tok = prm
+    queries = ["<s> t20 t21 t7 t22 t7 t23", "<s> t30 t7 t31 t9 t32 t9 t33 t7"]
+    ids = [_ids(tok, q, False) for q in queries]
+    answer = _openrlhf_remote_rm([base + "/get_reward"], queries, ["p", "p"], ["l", "l"])[0]
+    want = [_steps(ref, tok, x) for x in ids]
+    assert [len(s) for s in answer["extra_logs"]["step_scores"]] == [2, 2] == answer["extra_logs"]["num_steps"]
+    for got, w in zip(answer["extra_logs"]["step_scores"], want):
+        assert_close(got, w)
+    assert_close(answer["rewards"], [w[-1] for w in want])
+    assert answer["scores"] == answer["rewards"]
+    status, out = post(base, "/get_reward", {"query": queries[1:], "step_separator_ids": [9]})
+    assert status == 200, out
+    assert_close(out["extra_logs"]["step_scores"][0], _steps(ref, tok, ids[1], "t9"))
+    status, out = post(base, "/get_reward", {"prompt": "t40 t7 t41", "response": " t42 t7", "label": "1"})
+    assert status == 200 and isinstance(out, float)
+    assert_close([out], [_steps(ref, tok, _ids(tok, "t40 t7 t41 t42 t7", True))[-1]])
+    status, out = post(base, "/classify", {"model": "prm", "input": ids, "use_activation": False})
+    assert status == 200, out
+    for entry, x in zip(out["data"], ids):
+        assert_close(entry["logits"], _token_scores(ref, x)[-1])
+
+
+@pytest.mark.live_server
+def test_process_reward_model_bad_steps_name_the_field(prm):
+    """A query without a separator, bad separator ids: 400 naming the field; the server keeps serving."""
+    base = prm[0]
+    for body, field in (({"query": ["t20 t7", "t21 t22"]}, "query[1]"),
+                        ({"query": ["t20 t7"], "step_separator_ids": [VOCAB]}, "step_separator_ids[0]"),
+                        ({"query": ["t20 t7"], "step_separator_ids": []}, "step_separator_ids"),
+                        ({"query": ["t20 t7"], "step_separator_ids": ["t7"]}, "step_separator_ids[0]"),
+                        ({"prompt": "t20", "response": " t21"}, "prompt[0]")):
+        status, out = post(base, "/get_reward", body)
+        assert status == 400, (body, out)
+        assert out["error"]["message"].startswith(field + ":"), (body, out)
+    status, out = post(base, "/get_reward", {"query": ["t20 t7"]})
+    assert status == 200 and len(out["rewards"]) == 1
