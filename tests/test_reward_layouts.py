@@ -96,9 +96,19 @@ def test_reward_routes_under_layouts(tmp_path, layout):
         status, rewards = post(server.http, "/get_reward", {"query": queries, "prompts": ["p"] * 3, "labels": [""] * 3})
         status2, classified = post(server.http, "/classify", {"model": "rm", "input": queries[1][4:],
                                                               "activation": False})     # verl: BOS text stripped
+        others = [post(server.http, "/get_reward", {"prompt": "<s> t5 t6", "response": " t7 t8", "label": ""}),
+                  post(server.http, "/v1/embeddings", {"model": "rm", "input": queries[1][4:]}),   # verl, SGLang
+                  post(server.http, "/score", {"model": "rm", "text_1": "t9 t10 t11", "text_2": ["t12 t13", "t4"],
+                                               "use_activation": False})]                            # vLLM
     finally:
         assert server.stop() == 0, "".join(server.log[-20:])
     assert status == 200 and status2 == 200, (rewards, classified)
     assert_close(rewards["rewards"], [w[-1] for w in want])
     assert rewards["extra_logs"] == {}
     assert_close(classified["data"][-1]["probs"], want[1])
+    (s1, slime), (s2, embedded), (s3, scored) = others
+    assert (s1, s2, s3) == (200, 200, 200), others
+    assert_close(slime, want[0][-1])                          # slime: prompt + response, a bare number
+    assert_close(embedded["data"][-1]["embedding"], want[1])  # the BOS the tokenizer adds back
+    pairs = [tok("t9 t10 t11")["input_ids"] + tok(t, add_special_tokens=False)["input_ids"] for t in ("t12 t13", "t4")]
+    assert_close([d["score"] for d in scored["data"]], [_ref(ref, x)[-1] for x in pairs])
