@@ -54,6 +54,12 @@ def _serve_parser(sub, formatter) -> None:
                    help="packed: a batch whose groups (sequences sharing >= --min-shared-prefix leading tokens) keep "
                         "arriving as separate requests stays open until MS after the latest, at most MS past "
                         "--batch-delay-ms, so their prefix is computed once; 0 = never wait")
+    p.add_argument("--interject-after-ms", type=float, default=20.0, metavar="MS",
+                   help="a batch running longer than MS runs queued small requests (--interject-tokens) between its "
+                        "head steps, so they do not wait out a large one; 0 = never (never under --pp)")
+    p.add_argument("--interject-tokens", type=int, default=1024, metavar="N",
+                   help="small, for --interject-after-ms: at most N work tokens (tokens weighted by filters and "
+                        "top-k); at most N such tokens between two steps")
     p.add_argument("--max-queued-tokens", type=int, default=1 << 20,
                    help="tokens waiting or running; past it RESOURCE_EXHAUSTED")
     p.add_argument("--memory-budget", type=_size, default=None,
@@ -297,7 +303,8 @@ def _server_config(args, head_limits):
     from .security import SecurityConfig
 
     scheduler = SchedulerConfig(max_batch_tokens=args.max_batch_tokens, batch_delay_s=args.batch_delay_ms / 1e3,
-                                share_wait_s=args.share_wait_ms / 1e3,
+                                share_wait_s=args.share_wait_ms / 1e3, interject_after_s=args.interject_after_ms / 1e3,
+                                interject_tokens=args.interject_tokens,
                                 max_queued_tokens=args.max_queued_tokens, memory_budget_bytes=args.memory_budget,
                                 stall_timeout_s=args.stall_timeout, overlap=not args.no_overlap,
                                 max_buffered_bytes=args.max_buffered_bytes,

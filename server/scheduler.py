@@ -19,6 +19,10 @@
   waits for its reader only while no other job waits (at most `stall_timeout_s`, kept below the
   ranks' collective timeout); otherwise it ends with RESOURCE_EXHAUSTED naming the bound, its
   buffer freed, and everyone else goes on.
+- Small jobs do not wait out a long batch: once a batch has run `interject_after_s`, at each of its steps the
+  queued jobs of at most `interject_tokens` work tokens (up to that many in all) run as a batch of their own
+  before its next step (server.batch_runner; not under --pp). A heavy job's head steps are cut to about the work
+  of a plain one's (logitserve.cost.head_chunk_rows), so the wait is about one step.
 - Cancellation: a cancelled or timed-out job is skipped if queued and stopped at its next piece if
   running; its pieces are dropped.
 """
@@ -38,11 +42,10 @@ from logitserve.events import Event, JobFailed, JobPiece, Piece, SharedTokens, S
 from logitserve.spec import Job
 
 from .admission import UNKNOWN, Tally
+from .batch_runner import BatchRun, Between, Nested, engine_batch_runner  # noqa: F401 (engine_batch_runner: re-export)
 from .grouping import GROUPED_S, Gathering, QueuedKeys, Shareable, close_time
 from .ticket import DONE, Failed, Gone, Ticket
 
-# (jobs, skip) -> the batch's events: its jobs' pieces, shared tokens and failures (a StageTime is the runner's)
-BatchRun = Callable[[list[Job], Callable[[int], bool]], Iterator[Event]]
 _MiB = 2 ** 20
 
 
@@ -59,10 +62,16 @@ class SchedulerConfig:
     stall_timeout_s: float = 30.0        # longest the compute thread waits on one reader, when no one else waits
     overlap: bool = True                 # compute the next chunk while the last one is being sent
     idle_s: float = 2.0                  # with an idle callback: call it after this long without work
+    interject_after_s: float = 0.02      # a batch running this long runs queued small jobs between its steps
+                                         # (--interject-after-ms; 0: never)
+    interject_tokens: int = 1024         # small: at most this many work tokens; at most this many at a time
 
     def __post_init__(self):
         if self.max_batch_tokens < 1 or self.max_queued_tokens < 1 or self.max_buffered_bytes < 1:
             raise ValueError(f"max_batch_tokens, max_queued_tokens and max_buffered_bytes must be >= 1: {self}")
+        if self.interject_after_s < 0 or self.interject_tokens < 1:
+            raise ValueError(f"interject_after_s={self.interject_after_s} (--interject-after-ms) must be >= 0 and "
+                             f"interject_tokens={self.interject_tokens} (--interject-tokens) >= 1")
         if self.batch_delay_s < 0 or self.share_wait_s < 0:
             raise ValueError(f"batch_delay_s={self.batch_delay_s} (--batch-delay-ms) and share_wait_s={self.share_wait_s} "
                              f"(--share-wait-ms) must be >= 0")
@@ -98,6 +107,7 @@ class Scheduler:
         self._work = Tally()         # work tokens waiting or running
         self._held = Tally()         # bytes reserved by requests admitted and not yet ended
         self._stopping = False
+        self._depth = 0              # batches running: 2 while one runs nested between another's steps
         self.batches_run = 0
         self._thread = threading.Thread(target=self._loop, name="logitserve-compute", daemon=True)
         self._thread.start()
@@ -339,16 +349,66 @@ class Scheduler:
                 with self._cond:
                     self._release_work(batch)
 
-    def _run(self, batch: list[Ticket]) -> None:
+    def _between(self, started: float) -> Between:
+        """The hook a batch's runner calls after each step: the queued small jobs to run now, or None."""
+        c = self.config
+
+        def between() -> Optional[Nested]:
+            if time.monotonic() - started < c.interject_after_s or not self._queues:
+                return None
+            with self._cond:
+                small = self._take_small()
+            if not small:
+                return None
+
+            def nested(run_batch: BatchRun) -> None:
+                try:
+                    small.sort(key=lambda t: t.work)
+                    self._run(small, run_batch)
+                finally:
+                    with self._cond:
+                        self._release_work(small)
+            return nested
+        return between
+
+    def _take_small(self) -> list[Ticket]:
+        """Queued jobs of at most interject_tokens work tokens, that many tokens in all: the clients' oldest in turn
+        (one each per round, from the front of the rotation; a client served goes to its back)."""
+        cap, taken, tokens = self.config.interject_tokens, [], 0
+        while True:
+            served = []
+            for client, queue in list(self._queues.items()):
+                ticket = queue[0]
+                if ticket.work <= cap and tokens + ticket.tokens <= cap:
+                    tokens += ticket.tokens
+                    self._take_out_of_turn(ticket)
+                    taken.append(ticket)
+                    served.append(client)
+            for client in served:
+                if client in self._queues:
+                    self._queues.move_to_end(client)
+            if not served:
+                return taken
+
+    def _run(self, batch: list[Ticket], nested_in: Optional[BatchRun] = None) -> None:
+        """Run a batch; `nested_in`: the runner of a batch nested between another's steps (it always starts, so
+        ranks that were told of it run it in step, and it gets no nested batch of its own)."""
         live = [not t.cancelled.is_set() for t in batch]
-        if not any(live):
+        if not any(live) and nested_in is None:
             return
         self.batches_run += 1
         started = time.monotonic()
         waits = [started - t.admitted for t, ok in zip(batch, live) if ok]
         if self._metrics is not None:
             self._metrics.batch_started(waits, sum(t.tokens for t, ok in zip(batch, live) if ok))
-        events = self._run_batch([t.job for t in batch], lambda i: not live[i] or batch[i].cancelled.is_set())
+        skip = lambda i: not live[i] or batch[i].cancelled.is_set()    # noqa: E731
+        if nested_in is not None:
+            events = nested_in([t.job for t in batch], skip)
+        elif self.config.interject_after_s > 0:
+            events = self._run_batch([t.job for t in batch], skip, self._between(started))
+        else:
+            events = self._run_batch([t.job for t in batch], skip)
+        self._depth += 1
         try:
             for event in events:
                 if isinstance(event, StageTime):
@@ -364,6 +424,7 @@ class Scheduler:
                     self._hand(batch, live, i, Failed(e))
         finally:
             events.close()
+            self._depth -= 1
             if self._metrics is not None:
                 self._metrics.batch_done(waits, time.monotonic() - started)
         for i in range(len(batch)):
@@ -381,10 +442,11 @@ class Scheduler:
             live[i] = False
 
     def _may_wait(self, batch: list[Ticket], live: list[bool], i: int) -> Callable[[], bool]:
-        """Whether job i may hold the compute thread: no other job of this batch or of the queue waits."""
+        """Whether job i may hold the compute thread: no other job of this batch, of the queue or of a batch this
+        one is nested in waits."""
         if not self.config.overlap:    # the measuring mode waits on every reader
             return lambda: True
-        return lambda: not self._queues and not any(ok for j, ok in enumerate(live) if j != i)
+        return lambda: not self._queues and self._depth == 1 and not any(ok for j, ok in enumerate(live) if j != i)
 
 
 def _item(event: Event):
@@ -394,15 +456,3 @@ def _item(event: Event):
     if isinstance(event, JobFailed):   # that job's own error: it alone fails
         return Failed(event.error)
     return event
-
-
-def engine_batch_runner(batch_steps) -> BatchRun:
-    """Run a batch through an Engine's `batch_steps` in this process; a failing job fails alone."""
-    def run(jobs: list[Job], skip: Callable[[int], bool]) -> Iterator[Event]:
-        steps = batch_steps(jobs, skip)
-        try:
-            for step in steps:
-                yield from step.events
-        finally:
-            steps.close()
-    return run

@@ -32,7 +32,7 @@ class Recorder:
         if not hold:
             self.release.set()
 
-    def run(self, jobs, skip):
+    def run(self, jobs, skip, between=None):
         self.batches.append(list(jobs))
         self.release.wait(30)
         yield from ()

@@ -57,6 +57,22 @@ def input_bytes(job: Job) -> int:
     return int(sum(a.nbytes for a in arrays))
 
 
+def row_work(job: Job, vocab: int) -> float:
+    """One head row's work for this job, in units of a plain logprobs row (filters and top-k sort the row)."""
+    work = 1.0
+    if job.logprobs is not None and (job.logprobs.top_k is not None or job.logprobs.top_p is not None):
+        work += FILTER_WORK
+    if job.topk is not None:
+        work += FILTER_WORK * min(1.0, job.topk.k / max(vocab, 1)) * 2
+    return work
+
+
+def head_chunk_rows(job: Job, chunk: int, vocab: int) -> int:
+    """Rows per head step for this job: `chunk` plain rows' worth of work, so that a step of a heavy job (a top-k
+    near V) lasts about as long as one of plain logprobs and the scheduler can run small jobs between steps."""
+    return max(1, int(chunk / row_work(job, vocab)))
+
+
 def work_tokens(job: Job, vocab: int) -> int:
     """Tokens, plus each head row's extra work over plain logprobs in token units (the body's cost per token
     is about one head row on the models served here, so the units add)."""

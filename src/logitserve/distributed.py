@@ -39,12 +39,15 @@ def _others_emit(jobs: list[Job], step: Step, ctx: ParallelContext) -> bool:
     return ctx.cp > 1 or ctx.pp > 1 or any(jobs[j].full_logits is not None for j in step.jobs)
 
 
-def _share_dropped(dropped: list[bool], ctx: ParallelContext, skip: Optional[Callable[[int], bool]] = None) -> None:
-    """Rank 0 adds what `skip` says now and sends the flags; the other ranks receive them. In place."""
-    flags = torch.tensor([bool(d or (skip is not None and skip(i))) for i, d in enumerate(dropped)],
-                         dtype=torch.uint8)                                                     # [jobs]
+def _share_dropped(dropped: list[bool], ctx: ParallelContext, skip: Optional[Callable[[int], bool]] = None,
+                   nested: bool = False) -> bool:
+    """Rank 0 adds what `skip` says now and sends the flags, and whether a batch runs nested before the next step;
+    the other ranks receive them. `dropped` in place; returns `nested`."""
+    flags = torch.tensor([bool(d or (skip is not None and skip(i))) for i, d in enumerate(dropped)] + [nested],
+                         dtype=torch.uint8)                                                     # [jobs + 1]
     dist.broadcast(flags, src=0, group=ctx.control_group)
-    dropped[:] = [bool(x) for x in flags.tolist()]
+    dropped[:] = [bool(x) for x in flags[:-1].tolist()]
+    return bool(flags[-1])
 
 
 class RankLost(Unavailable):
@@ -87,35 +90,56 @@ class DistributedRunner:
         out[0] = events                  # rank 0's own, not their pickled round trip
         return [e for rank_events in out for e in rank_events]
 
-    def run_batch(self, jobs: list[Job], skip: Callable[[int], bool] = lambda i: False) -> Iterator[Event]:
+    def run_batch(self, jobs: list[Job], skip: Callable[[int], bool] = lambda i: False,
+                  between=None) -> Iterator[Event]:
         """One broadcast for the batch; every rank's events as the ranks' steps are gathered.
 
         `skip` is read after every step and shared with the other ranks (_share_dropped), so all of them
-        drop a cancelled job's remaining work at the same point.
+        drop a cancelled job's remaining work at the same point. `between` (server.batch_runner) may nest a
+        batch of small jobs at a step boundary: the same flags tell every rank (never under --pp).
         """
         with self._lock:
-            dropped = [bool(skip(i)) for i in range(len(jobs))]
-            self._broadcast((_JOB, (jobs, dropped)))
-            steps = self._engine.batch_steps(jobs, lambda j: dropped[j])
-            # A job's own error (every rank raises it alike) becomes its JobFailed and the ranks go on in step;
-            # what escapes a step (a failed collective) leaves them out of step: fatal.
-            try:
-                while (step := self._collective(next, steps, _END)) is not _END:
-                    # The step's events are gathered before anything is yielded: a consumer leaving at any
-                    # yield below finds every rank past this step's gather and before its _share_dropped.
-                    others = _others_emit(jobs, step, self._ctx)
-                    events = self._gather(list(step.events)) if others else list(step.events)
-                    self._stage_times(events)
-                    yield from events
-                    self._collective(_share_dropped, dropped, self._ctx, skip)
-            except GeneratorExit:
-                # The consumer left; the other ranks are mid-batch: drop every job and finish it in lockstep.
+            yield from self._batch(jobs, skip, between if self._ctx.pp == 1 else None)
+
+    def _batch(self, jobs: list[Job], skip: Callable[[int], bool], between) -> Iterator[Event]:
+        dropped = [bool(skip(i)) for i in range(len(jobs))]
+        self._broadcast((_JOB, (jobs, dropped)))
+        steps = self._engine.batch_steps(jobs, lambda j: dropped[j])
+        # A job's own error (every rank raises it alike) becomes its JobFailed and the ranks go on in step;
+        # what escapes a step (a failed collective) leaves them out of step: fatal.
+        try:
+            while (step := self._collective(next, steps, _END)) is not _END:
+                # The step's events are gathered before anything is yielded: a consumer leaving at any
+                # yield below finds every rank past this step's gather and before its _share_dropped.
+                others = _others_emit(jobs, step, self._ctx)
+                events = self._gather(list(step.events)) if others else list(step.events)
+                self._stage_times(events)
+                yield from events
+                nested = between() if between is not None else None
+                self._collective(_share_dropped, dropped, self._ctx, skip, nested is not None)
+                if nested is not None:
+                    self._nest(nested)
+        except GeneratorExit:
+            # The consumer left; the other ranks are mid-batch: drop every job and finish it in lockstep.
+            self._collective(_share_dropped, dropped, self._ctx, lambda i: True)
+            while (step := self._collective(next, steps, _END)) is not _END:
+                if _others_emit(jobs, step, self._ctx):
+                    self._gather(list(step.events))
                 self._collective(_share_dropped, dropped, self._ctx, lambda i: True)
-                while (step := self._collective(next, steps, _END)) is not _END:
-                    if _others_emit(jobs, step, self._ctx):
-                        self._gather(list(step.events))
-                    self._collective(_share_dropped, dropped, self._ctx, lambda i: True)
-                raise
+            raise
+
+    def _nest(self, nested) -> None:
+        """Run the scheduler's nested batch on every rank now (the ranks were told); if it ran none, release them."""
+        ran = []
+
+        def run(jobs: list[Job], skip: Callable[[int], bool], between=None) -> Iterator[Event]:
+            ran.append(True)
+            return self._batch(jobs, skip, None)
+        try:
+            nested(run)
+        finally:
+            if not ran:
+                self._broadcast((_NOOP, None))
 
     def _stage_times(self, events: list[Event]) -> None:
         """The stages' timings, which end a batch under PP: its bubble, logged."""
@@ -152,8 +176,17 @@ def follow(engine: Engine, ctx: ParallelContext) -> None:
         if kind == _STOP:
             return
         if kind == _JOB:
-            jobs, dropped = payload
-            for step in engine.batch_steps(jobs, lambda j: dropped[j]):
-                if _others_emit(jobs, step, ctx):
-                    dist.gather_object(list(step.events), None, dst=0, group=ctx.control_group)
-                _share_dropped(dropped, ctx)
+            _follow_batch(engine, ctx, *payload)
+
+
+def _follow_batch(engine: Engine, ctx: ParallelContext, jobs: list[Job], dropped: list[bool]) -> None:
+    """A rank's share of one batch, and of a batch nested between its steps when rank 0 says so."""
+    for step in engine.batch_steps(jobs, lambda j: dropped[j]):
+        if _others_emit(jobs, step, ctx):
+            dist.gather_object(list(step.events), None, dst=0, group=ctx.control_group)
+        if _share_dropped(dropped, ctx):
+            box = [None]
+            dist.broadcast_object_list(box, src=0, group=ctx.control_group)
+            kind, payload = box[0]
+            if kind == _JOB:
+                _follow_batch(engine, ctx, *payload)

@@ -26,6 +26,7 @@ from .attention import VARLEN_ATTENTION, packed_forward, probe_flash, register_v
 from .batch_run import BatchRun
 from .classify import classifier_pieces
 from .context_parallel import cp_forward, head_tail
+from .cost import head_chunk_rows
 from .events import JobPiece, Piece, SharedTokens, Step, pieces_of
 from .head import Head
 from .loaded import LoadedModel
@@ -241,14 +242,16 @@ class Engine:
         V = self.shard.vocab_size
         if self.batching is Batching.EXACT:
             m = members[0]
-            for chunk in grid_chunks(m.job, jobs[m.job], m, ids[(m.job, m.sequence)], runs, self.config.chunk_size, V):
+            rows = head_chunk_rows(jobs[m.job], self.config.chunk_size, V)     # a function of the job alone
+            for chunk in grid_chunks(m.job, jobs[m.job], m, ids[(m.job, m.sequence)], runs, rows, V):
                 yield Step((m.job,)) if chunk.rows is None else self.head.chunk_step(run, h[chunk.rows], chunk.segs,
                                                                                       cands)
             return
         index, picked = gathered_rows(jobs, body, runs, V)
         if index is not None:
             h = h.index_select(0, index.to(h.device))                                          # [M, H]
-        for chunk in gathered_chunks(jobs, picked, ids, self.config.chunk_size, run.live):
+        rows = min(head_chunk_rows(jobs[m.job], self.config.chunk_size, V) for m in members)
+        for chunk in gathered_chunks(jobs, picked, ids, rows, run.live):
             yield self.head.chunk_step(run, h[chunk.rows], chunk.segs, cands)
 
     def _opening(self, run: BatchRun, body: list[Member], ids: dict) -> Optional[Step]:

@@ -1,0 +1,117 @@
+"""Small requests do not wait out a large one: queued small jobs run between a long batch's head steps
+(server.batch_runner, --interject-after-ms), in one process and across TP ranks; values stay exact."""
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from helpers import CliServer, Reference, assert_close
+from logitserve.client import TeacherClient
+from logitserve.cost import head_chunk_rows
+from logitserve.demo import demo_dir
+from logitserve.events import JobPiece, Piece, Step
+from logitserve.server.batch_runner import engine_batch_runner
+from logitserve.server.scheduler import Scheduler, SchedulerConfig
+from logitserve.spec import Job, LogprobsOpts, OutputKind, TopKOpts
+
+
+def _steps_of(n_steps: dict[int, int], log: list):
+    """A fake Engine.batch_steps (same signature): job j takes n_steps[len(its sequence)] steps of 10 ms each."""
+    def batch_steps(jobs: list[Job], skip=None, isolate: bool = True):
+        for j, job in enumerate(jobs):
+            for k in range(n_steps[len(job.sequences[0])]):
+                if skip is not None and skip(j):
+                    break
+                time.sleep(0.01)
+                log.append((len(job.sequences[0]), k))
+                yield Step((j,), (JobPiece(j, Piece(OutputKind.TOKEN_LOGPROBS, 0, (1,), (0,), torch.zeros(1))),))
+    return batch_steps
+
+
+def _order(interject_after_s: float) -> tuple[list[str], list]:
+    """A 64-token job of 30 steps, then a 4-token one admitted while it runs: which finishes first."""
+    log: list = []
+    scheduler = Scheduler(engine_batch_runner(_steps_of({64: 30, 4: 1}, log)),
+                          SchedulerConfig(batch_delay_s=0.0, interject_after_s=interject_after_s))
+    done: list[str] = []
+    job = lambda n: Job(sequences=(np.zeros(n, np.int32),), logprobs=LogprobsOpts())   # noqa: E731
+
+    async def one(name: str, n: int) -> None:
+        async for _ in scheduler.stream(job(n), client=name):
+            pass
+        done.append(name)
+
+    async def scenario() -> None:
+        big = asyncio.create_task(one("big", 64))
+        while not log:
+            await asyncio.sleep(0.002)
+        await one("small", 4)
+        await big
+    try:
+        asyncio.run(scenario())
+    finally:
+        scheduler.shutdown()
+        scheduler.join(5.0)
+    return done, log
+
+
+@pytest.mark.unit
+def test_a_small_job_runs_between_a_long_batchs_steps():
+    done, log = _order(0.02)
+    assert done == ["small", "big"], done
+    at = log.index((4, 0))
+    assert 0 < at < len(log) - 1 and log[at - 1][0] == log[at + 1][0] == 64, log      # nested between two steps
+    done, log = _order(0.0)     # interjection off: the small job waits for the whole batch
+    assert done == ["big", "small"], done
+
+
+@pytest.mark.unit
+def test_heavy_rows_get_shorter_head_steps():
+    V = 32000
+    plain = Job(sequences=(np.zeros(8, np.int32),), logprobs=LogprobsOpts())
+    whole = Job(sequences=(np.zeros(8, np.int32),), topk=TopKOpts(k=V))
+    filtered = Job(sequences=(np.zeros(8, np.int32),), logprobs=LogprobsOpts(top_p=0.9))
+    assert head_chunk_rows(plain, 512, V) == 512
+    assert head_chunk_rows(whole, 512, V) == 512 // 13 and head_chunk_rows(filtered, 512, V) == 512 // 7
+    assert head_chunk_rows(whole, 4, V) == 1
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return Reference(demo_dir("causal", "demo"))
+
+
+@pytest.mark.multi_process
+@pytest.mark.parametrize("flags,small_first", [((), True), (("--tp", "2"), True),
+                                               (("--interject-after-ms", "0"), False)],
+                         ids=["tp1", "tp2", "off"])
+def test_a_small_request_is_not_held_behind_a_large_one(reference, flags, small_first):
+    """A 2048-token top-p request (a sort per row: seconds on CPU) is running when a 16-token one arrives: the small
+    one is answered first, exact against float64 transformers; both answers are whole."""
+    rng = np.random.default_rng(3)
+    big, small = rng.integers(3, 32000, 2048), rng.integers(3, 32000, 16)
+    server = CliServer("--demo", "causal", *flags)
+    finished: dict[str, float] = {}
+    out: dict[str, np.ndarray] = {}
+    try:
+        with TeacherClient(server.address) as c:
+            def run_big():
+                out["big"] = c.logprobs([big], top_p=0.9)[0]
+                finished["big"] = time.monotonic()
+            t = threading.Thread(target=run_big)
+            t.start()
+            time.sleep(0.5)
+            out["small"] = c.logprobs([small])[0]
+            finished["small"] = time.monotonic()
+            t.join(120)
+    finally:
+        assert server.stop() == 0
+    assert (finished["small"] < finished["big"]) == small_first, finished
+    assert out["big"].shape == (2048,) and np.isfinite(out["big"][1:]).any()
+    want = torch.log_softmax(reference.logits(small), dim=-1)[:-1].gather(-1, torch.as_tensor(small[1:])[:, None])
+    assert_close(out["small"][1:], want[:, 0].numpy())
