@@ -139,6 +139,13 @@ def test_http_routes_under_tp_and_cp(sharded):
     z = ref.logits(seq, 0.9)
     assert_close([plp[t][str(seq[t])]["logprob"] for t in range(1, len(seq))], ref_token_logprobs(z, seq)[1:])
     check_ranks(np.array([0] + [plp[t][str(seq[t])]["rank"] for t in range(1, len(seq))], np.int32), z, seq)
+    # vLLM's /generative_scoring (a causal LM as a judge): the label's probability after query + item
+    query, items = seq[:24], [seq[24:30], seq[30:33]]
+    status, out = post(server.http, "/generative_scoring", {"query": query, "items": items, "label_token_ids": [5, 9],
+                                                            "apply_softmax": False})
+    assert status == 200, out
+    want = [torch.log_softmax(ref.logits(query + item)[-1], -1)[5].exp().item() for item in items]
+    assert_close([d["score"] for d in out["data"]], want)
 
 
 @pytest.mark.multi_process
