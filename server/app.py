@@ -22,6 +22,7 @@ import logitserve
 from logitserve.cost import cost_of
 from logitserve.engine import Batching, Engine, EngineConfig
 from logitserve.head_export import HeadSource
+from logitserve.hostmem import freeze_startup_objects
 from logitserve.spec import ModelKind
 from logitserve.layout import Layout, single_process
 from logitserve.loaded import LoadedModel, content_hash
@@ -224,6 +225,7 @@ async def create_server(loaded: LoadedModel, config: ServerConfig, layout: Optio
                       pipeline)
     if config.http_port is not None:
         running.http = await _serve_http(loaded, config, pipeline, listening)
+    freeze_startup_objects()      # full collections skip start-up's objects (logitserve.hostmem)
     gate.open()
     await running.set_serving(True)
     return running
@@ -330,6 +332,7 @@ def serve_rank(model: ModelConfig, config: ServerConfig, parallel: ParallelConfi
             _warn_insecure(config)
             return asyncio.run(_serve(model, config, ctx))
         engine, _ = _rank_engine(model, config, ctx)
+        freeze_startup_objects()
         follow(engine, ctx)
         return 0
     except PortInUse as e:

@@ -27,7 +27,7 @@ def engine_batch_runner(batch_steps) -> BatchRun:
         steps = batch_steps(jobs, skip)
         try:
             for step in steps:
-                yield from step.events
+                yield from step.events_and_done()
                 nested = between() if between is not None else None
                 if nested is not None:
                     nested(run)

@@ -27,6 +27,10 @@ def _serve_parser(sub, formatter) -> None:
                         "wide (vocab 151936, hidden 1024)")
     p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32", help="weights and activations")
     p.add_argument("--logprob-chunk-size", type=int, default=512, help="logits rows materialized at a time")
+    p.add_argument("--step-target-ms", type=float, default=25.0, metavar="MS",
+                   help="a head step holds fewer rows than --logprob-chunk-size when a plain step of that many takes "
+                        "longer than MS on this device (measured at start-up: a power of two, at least 16), so a "
+                        "queued small request waits about MS for the step in progress; 0 = always the chunk size")
     p.add_argument("--max-seq-len", type=int, default=None, help="default: the model's max_position_embeddings")
     p.add_argument("--max-message-bytes", type=int, default=4 << 20, help="every response message stays under this")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads per rank")
@@ -311,7 +315,8 @@ def _server_config(args, head_limits):
                                 max_queued_tokens_per_client=args.max_queued_tokens_per_client)
     engine = EngineConfig(chunk_size=args.logprob_chunk_size, batching=Batching(args.batching),
                           max_pack_tokens=args.max_batch_tokens, min_shared_prefix=args.min_shared_prefix,
-                          pp_microbatch_tokens=args.pp_microbatch_tokens)
+                          pp_microbatch_tokens=args.pp_microbatch_tokens,
+                          step_target_s=args.step_target_ms / 1e3 if args.step_target_ms > 0 else None)
     http = HttpLimits(args.http_max_connections, args.http_max_connections_per_client, args.http_header_timeout_s,
                       args.http_body_timeout_s, args.http_keepalive_s, send_timeout_s=args.http_send_timeout_s)
     return ServerConfig(host=args.host, port=args.port, max_message_bytes=args.max_message_bytes,

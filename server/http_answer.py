@@ -39,6 +39,9 @@ CHUNK_BYTES = 1 << 20                # bytes written to the socket at a time
 # is Python under the GIL, and a waiting event loop or compute thread takes it then, so a stream of
 # whole-vocabulary answers costs other clients' requests little latency.
 PAUSE_S = 0.0
+# While compute runs or waits, each slice of an answer is followed by a wait of this many times the CPU time
+# its encoding took: bulk JSON takes at most a quarter of the GIL from the compute thread.
+BULK_YIELD = 3.0
 
 
 class AnswerHold:
@@ -54,6 +57,15 @@ class AnswerHold:
             return
         self._scheduler.reserve(self._client, nbytes, what)
         self.nbytes += nbytes
+
+    @property
+    def quick(self) -> bool:
+        """A small answer (QUICK_BYTES held at most): encoded apart from the bulk ones."""
+        return self.nbytes <= QUICK_BYTES
+
+    def compute_busy(self) -> bool:
+        """Whether the scheduler has a batch running or jobs queued (bulk encoding yields to them)."""
+        return self._scheduler.busy
 
     def release(self) -> None:
         if self.nbytes:
@@ -160,13 +172,27 @@ def _background() -> None:
 
 
 _ENCODER = ThreadPoolExecutor(1, thread_name_prefix="logitserve-http-encode", initializer=_background)
+# Answers holding at most QUICK_BYTES are encoded on a thread of their own, never queued behind a slice of a
+# bulk answer (a whole-vocabulary slice takes tens of milliseconds): a small answer's latency stays its own.
+QUICK_BYTES = 1 << 20
+_QUICK = ThreadPoolExecutor(1, thread_name_prefix="logitserve-http-quick")
 
 
-async def off_loop(fn: Callable, *args):
-    """fn(*args) on the encoding thread."""
-    return await asyncio.get_running_loop().run_in_executor(_ENCODER, fn, *args)
+async def off_loop(fn: Callable, *args, quick: bool = False):
+    """fn(*args) on the encoding thread (`quick`: the small answers' one)."""
+    return await asyncio.get_running_loop().run_in_executor(_QUICK if quick else _ENCODER, fn, *args)
 
 
-async def next_piece(it: Iterator[bytes]) -> Optional[bytes]:
-    """The iterator's next slice, computed on the encoding thread; None at the end."""
-    return await off_loop(next, it, None)
+def _timed_next(it: Iterator[bytes]) -> tuple[Optional[bytes], float]:
+    t0 = time.thread_time()
+    return next(it, None), time.thread_time() - t0
+
+
+async def next_piece(it: Iterator[bytes], hold: Optional[AnswerHold] = None) -> Optional[bytes]:
+    """The iterator's next slice, computed on the encoding thread; None at the end. While `hold`'s scheduler has
+    compute running or queued, the next slice waits BULK_YIELD times the CPU time this one took (so encoding
+    takes at most 1 / (1 + BULK_YIELD) of a core and of the GIL from the compute thread)."""
+    piece, took = await off_loop(_timed_next, it, quick=hold is not None and hold.quick)
+    if hold is not None and hold.compute_busy():
+        await asyncio.sleep(took * BULK_YIELD)
+    return piece

@@ -123,7 +123,7 @@ class HttpFrontEnd:
             try:
                 result = await handler(self.ctx, json_object(await self._body(request)), client)
                 if isinstance(result, answer.Deferred):     # encoded on a worker thread, never on the loop
-                    response = ChunkedJson(await answer.off_loop(result.build), hold, result.status)
+                    response = ChunkedJson(await answer.off_loop(result.build, quick=hold.quick), hold, result.status)
                 else:
                     response = _json(result)
             except Failed as f:
@@ -208,7 +208,7 @@ class ChunkedJson(Response):
                         "headers": [(b"content-type", b"application/json")]})
             it = answer.pieces(self._content)
             self._content = None
-            while not gone.is_set() and (chunk := await answer.next_piece(it)) is not None:
+            while not gone.is_set() and (chunk := await answer.next_piece(it, self._hold)) is not None:
                 await send({"type": "http.response.body", "body": bytes(chunk), "more_body": True})
             if not gone.is_set():
                 await send({"type": "http.response.body", "body": b"", "more_body": False})

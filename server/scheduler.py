@@ -38,7 +38,7 @@ from typing import AsyncIterator, Callable, Iterator, Optional
 
 from logitserve.cost import Cost
 from logitserve.errors import OverLimit, TooLarge
-from logitserve.events import Event, JobFailed, JobPiece, Piece, SharedTokens, StageTime
+from logitserve.events import Event, JobDone, JobFailed, JobPiece, Piece, SharedTokens, StageTime
 from logitserve.spec import Job
 
 from .admission import UNKNOWN, Tally
@@ -242,6 +242,11 @@ class Scheduler:
     def _release_work(self, tickets: list[Ticket]) -> None:
         for t in tickets:
             self._work.remove(t.client, t.work)
+
+    @property
+    def busy(self) -> bool:
+        """A batch is running or jobs are queued (read without the lock: a hint for bulk work to yield)."""
+        return self._depth > 0 or bool(self._queues)
 
     def queue_length(self) -> int:
         """Jobs waiting for a batch."""
@@ -455,4 +460,6 @@ def _item(event: Event):
         return event.piece
     if isinstance(event, JobFailed):   # that job's own error: it alone fails
         return Failed(event.error)
+    if isinstance(event, JobDone):     # its outputs are complete: its stream ends before the rest of the batch
+        return DONE
     return event

@@ -392,3 +392,47 @@ def test_trl_vllm_client_get_sequence_logprobs(http_model, tmp_path):
             assert_close(out["logprobs"][b][j], torch.sort(lsm[t - 1], descending=True).values[:4].numpy())
             assert out["actual_token_ids"][b][j] == [seq[t]]
             assert_close(out["actual_logprobs"][b][j], [want[t]])
+
+
+@pytest.mark.unit
+def test_bulk_encoding_yields_to_compute_and_small_answers_skip_its_queue():
+    """While compute runs, each slice of a bulk answer is followed by BULK_YIELD times its encoding CPU time;
+    answers holding at most QUICK_BYTES are encoded on their own thread, never behind a bulk slice."""
+    import asyncio
+    import threading
+    import time
+
+    from logitserve.server import http_answer
+
+    class Sched:                      # the two members of Scheduler that AnswerHold uses
+        busy = True
+
+        def reserve(self, client, nbytes, what):
+            pass
+
+        def release(self, client, nbytes):
+            pass
+
+    def slices():
+        for _ in range(3):
+            t0 = time.thread_time()
+            while time.thread_time() - t0 < 0.02:          # 20 ms of CPU per slice
+                pass
+            yield threading.current_thread().name.encode()
+
+    async def drain(hold):
+        it, names, t0 = slices(), [], time.monotonic()
+        while (piece := await http_answer.next_piece(it, hold)) is not None:
+            names.append(piece.decode())
+        return time.monotonic() - t0, names
+
+    sched = Sched()
+    bulk = http_answer.AnswerHold(sched, "c")
+    bulk.reserve(2 * http_answer.QUICK_BYTES, "test")
+    busy_s, names = asyncio.run(drain(bulk))
+    assert busy_s >= 3 * 0.02 * (1 + http_answer.BULK_YIELD) * 0.9 and all("encode" in n for n in names), names
+    sched.busy = False
+    idle_s, _ = asyncio.run(drain(bulk))
+    assert idle_s < busy_s / 2, (idle_s, busy_s)
+    _, names = asyncio.run(drain(http_answer.AnswerHold(sched, "c")))
+    assert all("quick" in n for n in names), names

@@ -115,3 +115,57 @@ def test_a_small_request_is_not_held_behind_a_large_one(reference, flags, small_
     assert out["big"].shape == (2048,) and np.isfinite(out["big"][1:]).any()
     want = torch.log_softmax(reference.logits(small), dim=-1)[:-1].gather(-1, torch.as_tensor(small[1:])[:, None])
     assert_close(out["small"][1:], want[:, 0].numpy())
+
+
+@pytest.fixture(scope="module")
+def engine():
+    from logitserve.engine import Engine, EngineConfig
+    from logitserve.loading import load_model
+
+    return Engine(load_model(demo_dir("causal", "demo")), EngineConfig(chunk_size=64))
+
+
+@pytest.mark.unit
+def test_a_small_job_batched_with_a_large_one_ends_at_its_last_step(engine, reference):
+    """Both jobs in one batch (one pack, since the short one goes first in its own): the small job's stream ends
+    after its own head step (Step.done -> JobDone), while the large one still has most of its steps to go."""
+    rng = np.random.default_rng(5)
+    small, big = rng.integers(3, 32000, 16).astype(np.int32), rng.integers(3, 32000, 1024).astype(np.int32)
+    scheduler = Scheduler(engine_batch_runner(engine.batch_steps),
+                          SchedulerConfig(batch_delay_s=0.2, interject_after_s=0.0))
+    got: dict[str, list] = {"small": [], "big": []}
+    big_pieces_when_small_ended: list[int] = []
+
+    async def one(name: str, ids: np.ndarray) -> None:
+        async for item in scheduler.stream(Job(sequences=(ids,), logprobs=LogprobsOpts()), client=name):
+            if isinstance(item, Piece):
+                got[name].append(item)
+        if name == "small":
+            big_pieces_when_small_ended.append(len(got["big"]))
+
+    async def scenario() -> None:
+        await asyncio.gather(one("big", big), one("small", small))
+    try:
+        asyncio.run(scenario())
+    finally:
+        scheduler.shutdown()
+        scheduler.join(5.0)
+    assert scheduler.batches_run == 1
+    assert big_pieces_when_small_ended[0] < len(got["big"]) // 2, (big_pieces_when_small_ended, len(got["big"]))
+    assert sum(p.tensor.numel() for p in got["big"]) == 1024           # the large answer is whole
+    lp = np.zeros(16, np.float32)
+    for p in got["small"]:
+        lp[p.offset[0] : p.offset[0] + p.tensor.numel()] = p.tensor.numpy()
+    want = torch.log_softmax(reference.logits(small), dim=-1)[:-1].gather(-1, torch.as_tensor(small[1:], dtype=torch.long)[:, None])
+    assert_close(lp[1:], want[:, 0].numpy())
+
+
+@pytest.mark.unit
+def test_head_steps_are_sized_to_the_time_target(engine):
+    """--step-target-ms: the rows of a plain head step measured at start-up, a power of two within [16, chunk]."""
+    head, H = engine.head, int(engine.loaded.head.in_features)
+    assert head.rows_within(1e-9, 512, H) == 16                 # nothing fits: the least
+    assert head.rows_within(60.0, 512, H) == 512                # everything fits: the chunk size
+    mid = head.rows_within(0.004, 512, H)
+    assert 16 <= mid <= 512 and mid & (mid - 1) == 0
+    assert engine.step_rows == 64                               # no target: the chunk size

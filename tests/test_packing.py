@@ -319,6 +319,10 @@ def test_plan_packs_bounds_tokens_and_keeps_order():
     assert [[(m.job, m.sequence) for m in p.members] for p in packs] == [[(0, 0), (0, 1)], [(1, 0)], [(2, 0), (2, 1)]]
     assert [p.tokens for p in packs] == [12, 30, 7]          # a sequence over the bound packs alone
     assert [m.offset for m in packs[2].members] == [0, 3]
+    # A sequence much longer than the pack so far starts its own: the short one is not held behind its body.
+    packs = plan_packs([(0, 0, 16), (1, 0, 1024), (2, 0, 1000), (3, 0, 64)], max_tokens=4096)
+    assert [[m.job for m in p.members] for p in packs] == [[0], [1, 2, 3]]
+    assert [p.tokens for p in plan_packs([(j, 0, 64) for j in range(64)], max_tokens=4096)] == [4096]
 
 
 @pytest.mark.unit

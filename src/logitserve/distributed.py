@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from .engine import Engine
-from .events import Event, StageTime, Step
+from .events import Event, JobDone, StageTime, Step
 from .errors import Unavailable
 from .parallel import ParallelContext
 from .spec import Job
@@ -115,6 +115,7 @@ class DistributedRunner:
                 events = self._gather(list(step.events)) if others else list(step.events)
                 self._stage_times(events)
                 yield from events
+                yield from (JobDone(j) for j in step.done)     # after every rank's events of the step
                 nested = between() if between is not None else None
                 self._collective(_share_dropped, dropped, self._ctx, skip, nested is not None)
                 if nested is not None:

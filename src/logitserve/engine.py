@@ -15,7 +15,9 @@ typed events (logitserve.events).
 """
 from __future__ import annotations
 
+import dataclasses
 import enum
+import logging
 from dataclasses import dataclass
 from typing import Callable, Iterator, Optional
 
@@ -37,9 +39,11 @@ from .parallel import ParallelContext, single_rank
 from .pipeline import pipeline_steps
 from .prefix import live_members, shared_by_job
 from .reductions import HeadShard, Segment, empty_reductions
-from .schedule import RowRun, alone, gathered_chunks, gathered_rows, grid_chunks, pack_rows, plan_units
+from .schedule import RowRun, alone, gathered_chunks, gathered_rows, grid_chunks, pack_rows, plan_units, rows_end
 from .spec import Job, ModelKind
 from .vocab_parallel import VocabShard, full_vocab
+
+log = logging.getLogger("logitserve.engine")
 
 __all__ = ["Batching", "Engine", "EngineConfig", "Piece", "SharedTokens", "Step"]
 
@@ -60,6 +64,8 @@ class EngineConfig:
     min_shared_prefix: int = 64             # packed: sequences sharing this many leading tokens share their
                                             # prefix's body (logitserve.prefix); 0 = off (--min-shared-prefix)
     pp_microbatch_tokens: int = 512         # --pp: tokens per micro-batch (pack) at most (--pp-microbatch-tokens)
+    step_target_s: Optional[float] = None   # head steps of fewer rows than chunk_size when a plain step of that many
+                                            # takes longer here (measured at start-up); None: chunk_size (--step-target-ms)
 
     def __post_init__(self):
         if self.chunk_size < 1 or self.max_pack_tokens < 1 or self.min_shared_prefix < 0:
@@ -90,11 +96,26 @@ class Engine:
         pad_from = min(self.shard.size, max(0, self.shard.vocab_size - self.shard.start))
         self.head_shard = HeadShard(self.shard, pad_from, emits_replicated=self.parallel.tp_rank == 0)
         self.head = Head(loaded, self.head_shard, config.chunk_size, mm_fp32)
+        self.step_rows = self._step_rows(config)   # rows of a plain head step (a heavier job's steps take fewer)
         self.hidden_size = int(loaded.head.in_features)      # H: the width of HIDDEN_STATES
         self.act_dtype = loaded.dtype            # activations between pipeline stages
         self.stage_input = loaded.stage_input
         self.batching = self._batching(config)
         self.pack_tokens = self._pack_tokens(config) if self.batching is Batching.PACKED else 0   # 0: exact
+
+    def _step_rows(self, config: EngineConfig) -> int:
+        """config.chunk_size, or the rows a plain head step computes within config.step_target_s on this device
+        (a power of two, measured once now; the smallest over the ranks, so that every rank plans the same steps)."""
+        if config.step_target_s is None:
+            return config.chunk_size
+        rows = self.head.rows_within(config.step_target_s, config.chunk_size, int(self.loaded.head.in_features))
+        if self.parallel.control_group is not None:
+            agreed = torch.tensor([rows], dtype=torch.int64)
+            torch.distributed.all_reduce(agreed, op=torch.distributed.ReduceOp.MIN, group=self.parallel.control_group)
+            rows = int(agreed.item())
+        log.info("head steps of %d rows at most (a plain step of that many within %.0f ms here; chunk size %d)", rows,
+                 config.step_target_s * 1e3, config.chunk_size)
+        return rows
 
     def _batching(self, config: EngineConfig) -> Batching:
         """Packing needs each sequence whole on one rank: under CP a unit is one sequence. Under PP the
@@ -181,10 +202,11 @@ class Engine:
         if p.pp > 1:
             yield from pipeline_steps(self, run, units)
             return
-        for unit in units:
-            yield from self._unit_steps(run, unit)
+        last = {m.job: k for k, unit in enumerate(units) for m in unit.members if m.job >= 0}   # job -> its last unit
+        for k, unit in enumerate(units):
+            yield from self._unit_steps(run, unit, frozenset(j for j, u in last.items() if u == k))
 
-    def _unit_steps(self, run: BatchRun, unit: Pack) -> Iterator[Step]:
+    def _unit_steps(self, run: BatchRun, unit: Pack, ending: frozenset = frozenset()) -> Iterator[Step]:
         """A unit's steps, isolated here and only here: when its body fails, a unit of several sequences is redone
         sequence by sequence, each a unit of its own, so whoever fails fails alone; a failure in the work of one
         job alone is that job's (JobFailed). A head chunk's jobs fail alone within it (Head.chunk_step)."""
@@ -193,7 +215,7 @@ class Engine:
         jobs = tuple(dict.fromkeys(m.job for m in members))
         started = False
         try:
-            for step in self._unit_work(run, body):
+            for step in self._unit_work(run, body, ending):
                 started = True
                 yield step
                 if len(jobs) == 1 and not run.live(jobs[0]):
@@ -209,11 +231,13 @@ class Engine:
                 if run.live(m.job):
                     yield from self._unit_steps(run, alone(m.job, m.sequence, len(run.jobs[m.job].sequences[m.sequence])))
 
-    def _unit_work(self, run: BatchRun, body: list[Member]) -> Iterator[Step]:
+    def _unit_work(self, run: BatchRun, body: list[Member], ending: frozenset) -> Iterator[Step]:
         if not any(m.job >= 0 for m in body):
             return
         if self.batching is Batching.PACKED:
-            yield from self.head_steps(run, body, self.unit_body(run.jobs, body), pack_rows(body))
+            h = self.unit_body(run.jobs, body)                                                   # [N, H]
+            yield from self._after_body(body, len(h))
+            yield from self.head_steps(run, body, h, pack_rows(body), ending)
             return
         m = body[0]                                     # exact: one sequence, spread over the CP ranks
         p = self.parallel
@@ -222,12 +246,21 @@ class Engine:
         positions = positions.to(self.device)
         local_ids = F.pad(ids, (0, max(0, int(positions.max()) + 1 - len(ids))))[positions]    # [n_local]
         h = self.hidden(local_ids, positions)                                                  # [n_local, H]
-        yield from self.head_steps(run, body, h, [RowRun(0, r.local, r.start, r.length) for r in runs])
+        yield from self._after_body(body, len(ids))
+        yield from self.head_steps(run, body, h, [RowRun(0, r.local, r.start, r.length) for r in runs], ending)
+
+    def _after_body(self, body: list[Member], tokens: int) -> Iterator[Step]:
+        """A step boundary between a long body (more tokens than a head step's rows) and its head, so that the
+        scheduler may run queued small jobs there; the same on every rank (`tokens`: the whole body's)."""
+        if tokens > self.step_rows:
+            yield Step(tuple(dict.fromkeys(m.job for m in body if m.job >= 0)))
 
     # -- the head of a unit ------------------------------------------------------
-    def head_steps(self, run: BatchRun, body: list[Member], h: torch.Tensor, runs: list[RowRun]) -> Iterator[Step]:
+    def head_steps(self, run: BatchRun, body: list[Member], h: torch.Tensor, runs: list[RowRun],
+                   ending: frozenset = frozenset()) -> Iterator[Step]:
         """A unit's head steps, its body's hidden states h [N, H] in hand (the last pipeline stage gets them from
-        the stage before): shared tokens and empty outputs, then scores or the head chunks."""
+        the stage before): shared tokens and empty outputs, then scores or the head chunks. `ending`: the jobs
+        whose last unit this is; each step names in `done` those it completes (their streams may end there)."""
         jobs = run.jobs
         members = [m for m in body if m.job >= 0]
         ids = {(m.job, m.sequence): self._ids(jobs[m.job].sequences[m.sequence]) for m in members}
@@ -235,24 +268,30 @@ class Engine:
         if opening is not None:
             yield opening
         if self.loaded.kind is not ModelKind.CAUSAL_LM:   # reward models: every job wants the classifier's outputs
-            yield self._classifier_step(run, body, h, runs)
+            step = self._classifier_step(run, body, h, runs)
+            yield dataclasses.replace(step, done=tuple(j for j in step.jobs if j in ending))
             return
         cands = {j: self._cands(jobs[j], [m.sequence for m in members if m.job == j])
                  for j in dict.fromkeys(m.job for m in members)}
         V = self.shard.vocab_size
         if self.batching is Batching.EXACT:
             m = members[0]
-            rows = head_chunk_rows(jobs[m.job], self.config.chunk_size, V)     # a function of the job alone
-            for chunk in grid_chunks(m.job, jobs[m.job], m, ids[(m.job, m.sequence)], runs, rows, V):
-                yield Step((m.job,)) if chunk.rows is None else self.head.chunk_step(run, h[chunk.rows], chunk.segs,
-                                                                                      cands)
+            rows = head_chunk_rows(jobs[m.job], self.step_rows, V)     # a function of the job alone
+            chunks = list(grid_chunks(m.job, jobs[m.job], m, ids[(m.job, m.sequence)], runs, rows, V))
+            for k, chunk in enumerate(chunks):
+                step = Step((m.job,)) if chunk.rows is None else self.head.chunk_step(run, h[chunk.rows], chunk.segs,
+                                                                                       cands)
+                yield dataclasses.replace(step, done=(m.job,)) if k == len(chunks) - 1 and m.job in ending else step
             return
         index, picked = gathered_rows(jobs, body, runs, V)
         if index is not None:
             h = h.index_select(0, index.to(h.device))                                          # [M, H]
-        rows = min(head_chunk_rows(jobs[m.job], self.config.chunk_size, V) for m in members)
+        rows = min(head_chunk_rows(jobs[m.job], self.step_rows, V) for m in members)
+        ends = rows_end(picked, ending)                     # job -> the end of its last rows among the selected
         for chunk in gathered_chunks(jobs, picked, ids, rows, run.live):
-            yield self.head.chunk_step(run, h[chunk.rows], chunk.segs, cands)
+            step = self.head.chunk_step(run, h[chunk.rows], chunk.segs, cands)
+            done = tuple(j for j, end in ends.items() if chunk.rows.start < end <= chunk.rows.stop)
+            yield dataclasses.replace(step, done=done) if done else step
 
     def _opening(self, run: BatchRun, body: list[Member], ids: dict) -> Optional[Step]:
         """A unit's first step when it has one: tokens its sequences share (from the reporting rank) and the empty

@@ -7,7 +7,7 @@ for a job names it by its index in the batch; `StageTime` belongs to the batch (
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Union
+from typing import Iterator, Union
 
 import torch
 
@@ -50,6 +50,14 @@ class JobFailed:
 
 
 @dataclass(frozen=True)
+class JobDone:
+    """Job `job`'s outputs are complete: its stream may end now, before the rest of its batch (a runner emits it
+    after the step whose `done` names the job, once every rank's events of that step are out)."""
+
+    job: int
+
+
+@dataclass(frozen=True)
 class StageTime:
     """--pp: ends a batch from every stage: seconds this stage computed, and its batch's wall time from its first
     micro-batch to its last step. The runner turns them into the batch's bubble fraction."""
@@ -59,7 +67,7 @@ class StageTime:
     wall_s: float
 
 
-Event = Union[JobPiece, SharedTokens, JobFailed, StageTime]
+Event = Union[JobPiece, SharedTokens, JobFailed, JobDone, StageTime]
 
 
 @dataclass(frozen=True)
@@ -68,6 +76,12 @@ class Step:
 
     jobs: tuple[int, ...]              # the jobs this step computed for
     events: tuple[Event, ...] = ()
+    done: tuple[int, ...] = ()         # jobs with nothing left to compute after this step (the same on every rank)
+
+    def events_and_done(self) -> Iterator[Event]:
+        """What a runner hands on for this step when its events are this rank's alone."""
+        yield from self.events
+        yield from (JobDone(j) for j in self.done)
 
 
 def pieces_of(job: int, pieces: list[Piece]) -> tuple[JobPiece, ...]:

@@ -8,6 +8,7 @@ shared matmul fails, each job computes its own rows.
 """
 from __future__ import annotations
 
+import time
 from typing import Optional
 
 import torch
@@ -18,7 +19,7 @@ from .events import Piece, Step, pieces_of
 from .loaded import LoadedModel
 from .outputs import cut
 from .reductions import HeadShard, Segment, reduce_block
-from .spec import Job, OutputKind
+from .spec import Job, ModelKind, OutputKind
 
 
 class Head:
@@ -56,6 +57,31 @@ class Head:
         if self.shard.pad_from < z.shape[-1]:
             z[:, self.shard.pad_from :] = float("-inf")
         return z
+
+    @torch.inference_mode()
+    def rows_within(self, target_s: float, most: int, hidden: int, least: int = 16) -> int:
+        """The most rows (a power of two in [least, most]) whose plain logprobs step (logits and their log-sum-exp)
+        took at most target_s here: timed from `least` rows up, doubling while within (the best of three each)."""
+        if self.loaded.kind is not ModelKind.CAUSAL_LM:
+            return most
+        device, dtype = self.loaded.head.weight.device, self.loaded.head.weight.dtype
+        rows, best = least, least
+        while rows <= most:
+            h = torch.randn(rows, hidden, generator=torch.Generator().manual_seed(0)).to(device, dtype)   # [r, H]
+            took = min(self._timed(h) for _ in range(3))
+            if took > target_s:
+                break
+            best, rows = rows, rows * 2
+        return min(max(best, least), most)
+
+    def _timed(self, h: torch.Tensor) -> float:
+        if h.is_cuda:
+            torch.cuda.synchronize(h.device)
+        t0 = time.perf_counter()
+        torch.logsumexp(self.logits(h), dim=-1)
+        if h.is_cuda:
+            torch.cuda.synchronize(h.device)
+        return time.perf_counter() - t0
 
     @torch.inference_mode()
     def scores(self, last: torch.Tensor, sequences: list[int]) -> list[Piece]:

@@ -33,13 +33,19 @@ class Pack:
         return sum(m.length for m in self.members)
 
 
+# A sequence this many times longer than the pack so far starts a pack of its own: the short ones before it
+# (the scheduler orders a batch cheapest first) are answered after their own small body, not after its body.
+SPLIT_RATIO = 4
+
+
 def plan_packs(lengths: Sequence[tuple[int, int, int]], max_tokens: int) -> list[Pack]:
-    """Group (job, sequence, length) in order into packs of at most max_tokens (a longer sequence packs alone)."""
+    """Group (job, sequence, length) in order into packs of at most max_tokens (a longer sequence packs alone);
+    a sequence over SPLIT_RATIO times the pack so far starts the next pack."""
     packs: list[Pack] = []
     members: list[Member] = []
     used = 0
     for job, seq, n in lengths:
-        if members and used + n > max_tokens:
+        if members and (used + n > max_tokens or n > SPLIT_RATIO * used):
             packs.append(Pack(tuple(members)))
             members, used = [], 0
         members.append(Member(job, seq, used, n))

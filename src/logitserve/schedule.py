@@ -122,3 +122,13 @@ def gathered_chunks(jobs: list[Job], picked: list[tuple[Member, int, int, int]],
                                                           lo + b - q, a - c0, span))
         if segs:               # every member dropped (cancelled, too slow): no head for these rows
             yield Chunk(slice(c0, c1), segs)
+
+
+def rows_end(picked: list[tuple[Member, int, int, int]], jobs: frozenset) -> dict[int, int]:
+    """Packed: for each of these jobs, the end of its rows among the selected ones (the head step holding row
+    end - 1 completes it); a job with no row read there is complete at the first step."""
+    ends: dict[int, int] = {}
+    for m, lo, hi, q in picked:
+        if m.job in jobs:
+            ends[m.job] = max(ends.get(m.job, 1), q + hi - lo)
+    return ends
