@@ -171,7 +171,7 @@ class Running:
             self.pipeline.end_in_flight()      # what still runs hears UNAVAILABLE, not a bare GOAWAY
         if self.http is not None:
             await self.http.stop()
-        await self.server.stop(min(grace or 0, 1.0))
+        await self.server.stop(1.0)     # a second for the streams to send what they hold, the UNAVAILABLE included
         self.scheduler.shutdown()
         await asyncio.to_thread(self.scheduler.join, 10.0)
         if self.metrics_http is not None:

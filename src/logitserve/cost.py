@@ -64,8 +64,6 @@ def row_work(job: Job, vocab: int) -> float:
         work += FILTER_WORK
     if job.topk is not None:
         work += FILTER_WORK * min(1.0, job.topk.k / max(vocab, 1)) * 2
-    if job.full_logits is not None:
-        work += FULL_ROW_WORK
     return work
 
 
