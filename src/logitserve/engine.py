@@ -96,8 +96,8 @@ class Engine:
         pad_from = min(self.shard.size, max(0, self.shard.vocab_size - self.shard.start))
         self.head_shard = HeadShard(self.shard, pad_from, emits_replicated=self.parallel.tp_rank == 0)
         self.head = Head(loaded, self.head_shard, config.chunk_size, mm_fp32)
-        self.step_rows = self._step_rows(config)   # rows of a plain head step (a heavier job's steps take fewer)
         self.hidden_size = int(loaded.head.in_features)      # H: the width of HIDDEN_STATES
+        self.step_rows = self._step_rows(config)   # rows of a plain head step (a heavier job's steps take fewer)
         self.act_dtype = loaded.dtype            # activations between pipeline stages
         self.stage_input = loaded.stage_input
         self.batching = self._batching(config)
@@ -108,7 +108,7 @@ class Engine:
         (a power of two, measured once now; the smallest over the ranks, so that every rank plans the same steps)."""
         if config.step_target_s is None:
             return config.chunk_size
-        rows = self.head.rows_within(config.step_target_s, config.chunk_size, int(self.loaded.head.in_features))
+        rows = self.head.rows_within(config.step_target_s, config.chunk_size, self.hidden_size)
         if self.parallel.control_group is not None:
             agreed = torch.tensor([rows], dtype=torch.int64)
             torch.distributed.all_reduce(agreed, op=torch.distributed.ReduceOp.MIN, group=self.parallel.control_group)
