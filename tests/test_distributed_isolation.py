@@ -35,6 +35,7 @@ def _rank(rank: int, world: int, tp: int, cp: int, port: int, directory: str, se
     engine, _ = _rank_engine(ModelConfig(path=directory), ServerConfig(engine=EngineConfig(chunk_size=16)), ctx)
     if rank != 0:
         follow(engine, ctx)
+        _leave(ctx)
         return
     runner = DistributedRunner(engine, ctx)
     good = Job(sequences=tuple(np.asarray(s, np.int32) for s in seqs), logprobs=LogprobsOpts(top_k=7))
@@ -53,7 +54,18 @@ def _rank(rank: int, world: int, tp: int, cp: int, port: int, directory: str, se
             result["after"].setdefault(piece.sequence, {})[piece.offset[0]] = piece.tensor.numpy()
     result["failed"] = runner.failed
     runner.stop()
+    _leave(ctx)
     out.put(result)
+
+
+def _leave(ctx) -> None:
+    """Both ranks past their last message, then the process group is torn down before the interpreter exits
+    (left to interpreter teardown, gloo's threads were destroyed still joinable: SIGABRT, 'terminate called
+    without an active exception', one CI run in many)."""
+    import torch.distributed as dist
+
+    dist.barrier(group=ctx.control_group)
+    dist.destroy_process_group()
 
 
 def _assemble(parts: dict, seqs) -> list[np.ndarray]:
