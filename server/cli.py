@@ -118,6 +118,8 @@ def _serve_parser(sub, formatter) -> None:
                    help="a request's body must arrive within this of its headers")
     p.add_argument("--http-keepalive-s", type=float, default=5.0, metavar="S",
                    help="an idle kept-alive HTTP connection is closed after this")
+    p.add_argument("--http-max-requests-per-connection", type=int, default=1000, metavar="N",
+                   help="a kept-alive HTTP connection's last answer says 'connection: close' after this many")
     p.add_argument("--http-send-timeout-s", type=float, default=30.0, metavar="S",
                    help="a client that takes none of its answer's bytes for this long loses its request and "
                         "connection (its bytes leave the memory budget)")
@@ -318,7 +320,8 @@ def _server_config(args, head_limits):
                           pp_microbatch_tokens=args.pp_microbatch_tokens,
                           step_target_s=args.step_target_ms / 1e3 if args.step_target_ms > 0 else None)
     http = HttpLimits(args.http_max_connections, args.http_max_connections_per_client, args.http_header_timeout_s,
-                      args.http_body_timeout_s, args.http_keepalive_s, send_timeout_s=args.http_send_timeout_s)
+                      args.http_body_timeout_s, args.http_keepalive_s, args.http_max_requests_per_connection,
+                      send_timeout_s=args.http_send_timeout_s)
     return ServerConfig(host=args.host, port=args.port, max_message_bytes=args.max_message_bytes,
                         max_request_bytes=args.max_request_bytes, engine=engine, scheduler=scheduler,
                         security=SecurityConfig(args.tls_cert, args.tls_key, args.tls_client_ca, args.auth_token_file),

@@ -41,7 +41,8 @@ class HttpLimits:
     header_timeout_s: float = 10.0              # request line + headers (--http-header-timeout-s)
     body_timeout_s: float = 30.0                # the body, from its headers on (--http-body-timeout-s)
     keepalive_s: float = 5.0                    # an idle kept-alive connection closes (--http-keepalive-s)
-    max_requests_per_connection: int = 1000     # then the connection closes after its answer
+    max_requests_per_connection: int = 1000     # then its answer says 'connection: close' and it closes
+                                                # (--http-max-requests-per-connection)
     send_timeout_s: float = 30.0                # a reader that takes no bytes this long loses its request
 
     def __post_init__(self):
@@ -176,6 +177,9 @@ class GuardedH11(H11Protocol):
             self._served += 1
             if self._served >= self._limits.max_requests_per_connection:
                 cycle.keep_alive = False
+                # and the answer says so: uvicorn adds 'connection: close' to an answer whose request carried it
+                # (without the header a client reuses the closed socket: a broken pipe on its next request)
+                cycle.scope["headers"] = [*cycle.scope["headers"], (b"connection", b"close")]
             self._arm(self._limits.body_timeout_s, "its body")
         if cycle is not None and not cycle.more_body:             # the whole request is in
             self._disarm()

@@ -196,6 +196,29 @@ def test_thousands_of_idle_connections_starve_neither_grpc_nor_other_http_client
         assert server.stop() == 0
 
 
+def test_the_last_answer_a_connection_may_carry_says_connection_close():
+    """Before: the connection was closed after its 1000th answer with no header saying so, and a keep-alive client
+    (http.client, the chaos test's polite one) wrote its next request into the closed socket: a broken pipe."""
+    import http.client
+
+    server = CliServer("--http-port", "0", "--http-max-requests-per-connection", "3")
+    port = int(server.http.rsplit(":", 1)[1])
+    try:
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+        said, peers = [], []
+        for _ in range(7):
+            conn.request("GET", "/v1/models")
+            r = conn.getresponse()
+            assert r.status == 200 and json.loads(r.read())["data"]
+            said.append((r.getheader("connection") or "").lower())
+            peers.append(conn.sock.getsockname() if conn.sock is not None else None)
+        conn.close()
+        assert said == ["", "", "close", "", "", "close", ""], said
+        assert peers[2] is None and peers[5] is None      # http.client closed the socket it was told to close
+    finally:
+        assert server.stop() == 0
+
+
 def test_without_tokens_a_made_up_bearer_is_no_identity(tmp_path):
     from logitserve.v1 import logitserve_pb2_grpc as pb_grpc
 
