@@ -15,80 +15,83 @@ _FLOOR = -9999.0      # vLLM clamps -inf logprobs to this (JSON has no infinity)
 
 
 class VocabTables:
-    """Per-id JSON pieces: `"<id>":{"logprob":` and `,"decoded_token":"<text>"}` (object arrays over V)."""
+    """Per-id JSON pieces `"<id>":{"logprob":` and `,"decoded_token":"<text>"},` (object arrays over V), and per-rank
+    `,"rank":<r>` (ranks 0..V). Every entry ends in a comma, so a row is one join of its pieces less its last byte."""
 
     def __init__(self, texts, vocab: int):
         self._texts = texts
         self._vocab = vocab
-        self._head = self._tail = None
+        self._head = self._tail = self._rank = None
 
     def _build(self) -> None:
-        ids = np.arange(self._vocab)
-        texts = self._texts.of(ids) if self._texts.available else [None] * self._vocab
+        texts = self._texts.of(np.arange(self._vocab)) if self._texts.available else [None] * self._vocab
         self._head = np.array([b'"%d":{"logprob":' % i for i in range(self._vocab)], dtype=object)
-        self._tail = np.array([b',"decoded_token":' + orjson.dumps(t) + b"}" for t in texts], dtype=object)
+        self._tail = np.array([b',"decoded_token":' + orjson.dumps(t) + b"}," for t in texts], dtype=object)
+        self._rank = np.array([b',"rank":%d' % r for r in range(self._vocab + 1)], dtype=object)
 
-    def tables(self) -> tuple[np.ndarray, np.ndarray]:
+    def tables(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         if self._head is None:
             self._build()
-        return self._head, self._tail
+        return self._head, self._tail, self._rank
 
 
-def _texts(values: np.ndarray) -> np.ndarray:
-    """Each value's JSON text, as an object array of bytes of the same shape (printed by orjson in one call)."""
-    text = orjson.dumps(values.reshape(-1).tolist())[1:-1]
-    parts = np.array(text.split(b","), dtype=object) if values.size else np.zeros(0, dtype=object)
-    return parts.reshape(values.shape)
+def _texts(values: np.ndarray) -> list[bytes]:
+    """Each value's JSON text, in order (printed by orjson in one call). values: [n]"""
+    return orjson.dumps(values.tolist())[1:-1].split(b",") if values.size else []
 
 
-def _floats(values: np.ndarray) -> np.ndarray:
-    """fp32 values as their float64 JSON text, -inf clamped to -9999.0."""
+def _floats(values: np.ndarray) -> list[bytes]:
+    """fp32 values as their float64 JSON text, -inf clamped to -9999.0. values: [n]"""
     return _texts(np.maximum(values.astype(np.float64), _FLOOR))
 
 
-def _firsts(targets: np.ndarray, logprobs: np.ndarray, ranks: np.ndarray, tables: VocabTables) -> np.ndarray:
-    """The scored token's entry of each row: its id's pieces, its value and its rank. [n] object"""
-    head, tail = tables.tables()
-    return head[targets] + _floats(logprobs) + (b',"rank":' + _texts(ranks)) + tail[targets]
-
-
-def _entries(ids: np.ndarray, values: np.ndarray, col0: int, tables: VocabTables) -> np.ndarray:
-    """Top-k entries of columns col0.. (rank = column + 1). ids/values: [n, c] -> [n, c] object"""
-    head, tail = tables.tables()
-    rank_text = np.array([b',"rank":%d' % (r + 1) for r in range(col0, col0 + ids.shape[1])], dtype=object)
-    return head[ids] + _floats(values) + rank_text[None, :] + tail[ids]
+def _pieces(ids: np.ndarray, values: np.ndarray, ranks: np.ndarray, tables: VocabTables) -> np.ndarray:
+    """Entries as their four pieces each (key and value head, value, rank, text and closing comma); joined in
+    order they are the entries, each followed by a comma. ids/values/ranks: [n] -> [n, 4] object"""
+    head, tail, rank = tables.tables()
+    out = np.empty((len(ids), 4), dtype=object)
+    out[:, 0] = head[ids]
+    out[:, 1] = _floats(values)
+    out[:, 2] = rank[ranks]
+    out[:, 3] = tail[ids]
+    return out
 
 
 def _rows(targets: np.ndarray, logprobs: np.ndarray, ranks: np.ndarray, top_ids, top_values,
-          tables: VocabTables) -> list[bytes]:
-    """One `{token first, then the top-k by rank}` object per row. targets/logprobs/ranks: [n],
-    top_ids/top_values: [n, k] or None."""
-    first = _firsts(targets, logprobs, ranks, tables)                                           # [n]
-    if top_ids is None or not top_ids.shape[1]:
-        return [b"{" + e + b"}" for e in first]
-    entries = _entries(top_ids, top_values, 0, tables)                                          # [n, k]
-    dup = top_ids == targets[:, None]                                                           # [n, k]
-    has_dup = dup.any(axis=1)
-    rows = []
-    for j in range(len(targets)):
-        row = entries[j]
-        if has_dup[j]:
-            row = row[~dup[j]]
-        rows.append(b"{" + first[j] + b"," + b",".join(row) + b"}" if len(row) else b"{" + first[j] + b"}")
-    return rows
+          tables: VocabTables) -> bytes:
+    """`{token first, then the top-k by rank},{...}`: the rows' objects, comma-separated, in one join.
+    targets/logprobs/ranks: [n], top_ids/top_values: [n, k] or None."""
+    n, k = len(targets), 0 if top_ids is None else top_ids.shape[1]
+    pieces = _pieces(targets, logprobs, ranks, tables)[:, None]                                 # [n, 1, 4]
+    last = np.zeros(n, dtype=np.int64)                                 # each row's last entry, by position
+    if k:
+        ranks_k = np.broadcast_to(np.arange(1, k + 1), (n, k)).reshape(-1)                     # [n * k]
+        entries = _pieces(top_ids.reshape(-1), top_values.reshape(-1), ranks_k, tables).reshape(n, k, 4)
+        dup = top_ids == targets[:, None]                              # the scored token is listed first only
+        entries[dup] = b""
+        pieces = np.concatenate([pieces, entries], axis=1)                                      # [n, 1 + k, 4]
+        last[:] = np.where(dup[:, -1], k - 1, k)                       # ids are distinct: one dup at most
+    rows = np.arange(n)
+    pieces[rows, last, 3] = [t[:-1] + b"}," for t in pieces[rows, last, 3]]   # the last entry closes its row
+    out = np.empty((n, 1 + pieces.shape[1] * 4), dtype=object)
+    out[:, 0] = b"{"
+    out[:, 1:] = pieces.reshape(n, -1)
+    return b"".join(out.ravel())[:-1]
 
 
 def _wide_row(target, logprob, rank, ids: np.ndarray, values: np.ndarray, tables: VocabTables):
     """One row of k > BLOCK_ENTRIES entries as JSON pieces, BLOCK_ENTRIES columns at a time (each numpy call on
     object arrays holds the GIL: short calls keep the event loop and the compute thread going)."""
-    yield b"{" + _firsts(target[None], logprob[None], rank[None], tables)[0]
+    last = b"{" + b"".join(_pieces(target[None], logprob[None], rank[None], tables)[0])
     for c0 in range(0, len(ids), BLOCK_ENTRIES):
         cols = ids[c0 : c0 + BLOCK_ENTRIES]
-        row = _entries(cols[None], values[None, c0 : c0 + BLOCK_ENTRIES], c0, tables)[0]
-        row = row[cols != target]                                      # the scored token is listed first only
-        if len(row):
-            yield b"," + b",".join(row)
-    yield b"}"
+        keep = cols != target
+        block = _pieces(cols[keep], values[c0 : c0 + BLOCK_ENTRIES][keep],
+                        np.arange(c0 + 1, c0 + 1 + len(cols))[keep], tables)
+        if len(block):
+            yield last
+            last = b"".join(block.ravel())
+    yield last[:-1] + b"}"                                                 # the last entry's comma closes the row
 
 
 # Entries encoded at a time when the list is produced in parts: entries are ~100 bytes, so a block keeps the
@@ -117,7 +120,7 @@ def prompt_logprobs_parts(targets: np.ndarray, logprobs: np.ndarray, ranks: np.n
         block = _rows(targets[at:end], logprobs[at:end], ranks[at:end],
                       None if top_ids is None else top_ids[at:end], None if top_values is None else top_values[at:end],
                       tables)
-        yield sep + b",".join(block)
+        yield sep + block
         sep = b","
     yield b"]"
 
