@@ -2,12 +2,10 @@
 
 - Admission, before any work: a job is refused (RESOURCE_EXHAUSTED) when the queue would hold more
   than `max_queued_tokens` work tokens (tokens weighted by the head's extra work, logitserve.cost),
-  or its client more than its share; when its estimated peak memory alone is over `memory_budget_bytes`;
-  or when the bytes held by admitted requests (their inputs and their output buffers) and its own
-  would be. Every refusal names the bound.
+  or its client more than its share; or when the memory budget's books refuse it (server.budget).
+  Every refusal names the bound.
 - Fairness: each client (server.admission.client_of) has its own queue; batches take the clients'
-  oldest jobs in turn, so one client's hundred queued requests do not put another's one behind them;
-  within a batch the cheapest jobs run first.
+  oldest jobs in turn (server.client_queues); within a batch the cheapest jobs run first.
 - Batching: the first job taken opens a batch; jobs arriving within `batch_delay_s` join while the
   batch stays under `max_batch_tokens`. A batch is one broadcast to the ranks and, in packed mode,
   one packed body (see logitserve.engine for the modes).
@@ -29,7 +27,6 @@
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import threading
 import time
@@ -37,16 +34,16 @@ from dataclasses import dataclass
 from typing import AsyncIterator, Callable, Iterator, Optional
 
 from logitserve.cost import Cost
-from logitserve.errors import OverLimit, TooLarge
+from logitserve.errors import OverLimit
 from logitserve.events import Event, JobDone, JobFailed, JobPiece, Piece, SharedTokens, StageTime
 from logitserve.spec import Job
 
 from .admission import UNKNOWN, Tally
 from .batch_runner import BatchRun, Between, Nested, engine_batch_runner  # noqa: F401 (engine_batch_runner: re-export)
-from .grouping import GROUPED_S, Gathering, QueuedKeys, Shareable, close_time
+from .held_bytes import HeldBytes
+from .client_queues import ClientQueues
+from .grouping import GROUPED_S, Gathering, Shareable, close_time
 from .ticket import DONE, Failed, Gone, Ticket
-
-_MiB = 2 ** 20
 
 
 @dataclass(frozen=True)
@@ -94,7 +91,6 @@ class Scheduler:
         """`shares`: a job's sequences that may share a prefix (server.grouping.shareables); None: no sharing."""
         self._run_batch = run_batch
         self._shares = shares
-        self._keys = QueuedKeys()    # queued jobs by their prefix keys
         self._gathering: Optional[Gathering] = None   # the batch being gathered
         self._split_at = float("-inf")                # when a group was last seen coming in parts (grouped mode)
         self._metrics = metrics      # server.metrics.Metrics, or None
@@ -102,10 +98,10 @@ class Scheduler:
         self._estimate = estimate
         self._cost = cost
         self._idle = idle
-        self._queues: collections.OrderedDict[str, collections.deque[Ticket]] = collections.OrderedDict()
+        self._queues = ClientQueues()
         self._cond = threading.Condition()
         self._work = Tally()         # work tokens waiting or running
-        self._held = Tally()         # bytes reserved by requests admitted and not yet ended
+        self._budget = HeldBytes(config.memory_budget_bytes, config.client_budget_bytes)   # bytes requests hold
         self._stopping = False
         self._depth = 0              # batches running: 2 while one runs nested between another's steps
         self.batches_run = 0
@@ -122,34 +118,17 @@ class Scheduler:
             return extra
         return 2 * cost.input_bytes + min(cost.output_bytes, self.config.max_buffered_bytes) + extra
 
-    def _check_budget(self, client: str, hold: int, peak: int) -> None:
-        c = self.config
-        if c.memory_budget_bytes is None:
-            return
-        if self._held.total + hold + peak > c.memory_budget_bytes:
-            raise OverLimit(f"memory: {self._held.total / _MiB:.0f} MiB held by requests in flight + {hold / _MiB:.0f} "
-                            f"MiB for this one (+{peak / _MiB:.0f} MiB at its peak) is over --memory-budget "
-                            f"{c.memory_budget_bytes / _MiB:.0f} MiB; retry later")
-        mine = self._held.of(client)
-        if mine + hold > c.client_budget_bytes:
-            raise OverLimit(f"memory: this client ({client}) holds {mine / _MiB:.0f} MiB in requests in flight; "
-                            f"+{hold / _MiB:.0f} MiB is over its share, half of --memory-budget "
-                            f"({c.client_budget_bytes / _MiB:.0f} MiB); read or end some first")
-
     def _drop_hold(self, client: str, nbytes: int) -> None:
         with self._cond:
-            self._held.remove(client, nbytes)
+            self._budget.remove(client, nbytes)
 
     def reserve(self, client: str, nbytes: int, what: str) -> None:
         """Reserve `nbytes` in the memory budget for work outside a job's buffer (tokenizing a text, an HTTP
         answer being built and sent); OverLimit naming the bound. `release` gives it back."""
-        c = self.config
-        if c.memory_budget_bytes is not None and nbytes > c.client_budget_bytes:
-            raise TooLarge(f"{what} needs ~{nbytes / _MiB:.0f} MiB, over half of --memory-budget "
-                           f"({c.client_budget_bytes / _MiB:.0f} MiB)")
+        self._budget.check_outside(nbytes, what)
         with self._cond:
-            self._check_budget(client, nbytes, 0)
-            self._held.add(client, nbytes)
+            self._budget.check(client, nbytes, 0)
+            self._budget.add(client, nbytes)
 
     def release(self, client: str, nbytes: int) -> None:
         self._drop_hold(client, nbytes)
@@ -166,21 +145,14 @@ class Scheduler:
     def admit(self, job: Job, client: str = UNKNOWN, extra_hold: int = 0, cost: Optional[Cost] = None) -> Ticket:
         """Queue the job or raise OverLimit; `cost`: the job's, when the caller has it already."""
         c = self.config
-        peak = 0
-        if c.memory_budget_bytes is not None and self._estimate is not None:
-            peak = self._estimate(job)
-            if peak > c.memory_budget_bytes:
-                raise TooLarge(f"request needs ~{peak / _MiB:.0f} MiB at peak (longest sequence "
-                               f"{max(len(s) for s in job.sequences)} tokens), over --memory-budget "
-                               f"{c.memory_budget_bytes / _MiB:.0f} MiB")
+        peak = self._estimate(job) if c.memory_budget_bytes is not None and self._estimate is not None else 0
+        longest = max(len(s) for s in job.sequences)
+        self._budget.check_alone(0, peak, longest)
         cost = cost or self.cost(job)
         shares = self._shares(job) if self._shares is not None else ()
         work = cost.work_tokens if cost is not None else job.num_tokens
         hold = self._hold(cost, extra_hold)
-        if c.memory_budget_bytes is not None and hold + peak > c.memory_budget_bytes:
-            raise TooLarge(f"memory: this request needs ~{hold / _MiB:.0f} MiB held (its arrays and an output buffer "
-                           f"of up to --max-buffered-bytes) + ~{peak / _MiB:.0f} MiB at its peak, over --memory-budget "
-                           f"{c.memory_budget_bytes / _MiB:.0f} MiB even alone; send less per request")
+        self._budget.check_alone(hold, peak, longest)
         with self._cond:
             if self._work.total + work > c.max_queued_tokens:
                 raise OverLimit(f"queue full: {self._work.total} tokens queued + {work} in this request > "
@@ -190,17 +162,16 @@ class Scheduler:
             if mine + work > c.client_queued_tokens:
                 raise OverLimit(f"queue: this client ({client}) has {mine} tokens queued + {work} in this request "
                                 f"> --max-queued-tokens-per-client {c.client_queued_tokens}; retry later")
-            self._check_budget(client, hold, peak)
+            self._budget.check(client, hold, peak)
             bound = c.max_buffered_bytes if c.overlap else 0
             ticket = Ticket(job, client, work, hold, asyncio.get_running_loop(), bound, shares)
             self._work.add(client, work)
-            self._held.add(client, hold)
-            ticket.mate = bool(shares) and (self._keys.holds(shares) or (
+            self._budget.add(client, hold)
+            ticket.mate = bool(shares) and (self._queues.holds(shares) or (
                 self._gathering is not None and self._gathering.holds(shares)))
             if ticket.mate:
                 self._split_at = ticket.admitted
-            self._keys.add(ticket, shares)
-            self._queues.setdefault(client, collections.deque()).append(ticket)
+            self._queues.append(ticket)
             self._cond.notify()
         return ticket
 
@@ -229,15 +200,8 @@ class Scheduler:
     def _drop_if_queued(self, ticket: Ticket) -> None:
         """A job given up before it ran leaves the queue now, freeing its tokens for others."""
         with self._cond:
-            queue = self._queues.get(ticket.client)
-            try:
-                queue.remove(ticket)
-            except (AttributeError, ValueError):   # already taken into a batch: the batch accounts for it
-                return
-            if not queue:
-                del self._queues[ticket.client]
-            self._keys.remove(ticket, ticket.shares)
-            self._release_work([ticket])
+            if self._queues.remove(ticket):     # else a batch took it: the batch accounts for it
+                self._release_work([ticket])
 
     def _release_work(self, tickets: list[Ticket]) -> None:
         for t in tickets:
@@ -251,7 +215,7 @@ class Scheduler:
     def queue_length(self) -> int:
         """Jobs waiting for a batch."""
         with self._cond:
-            return sum(len(q) for q in self._queues.values())
+            return len(self._queues)
 
     def queued_tokens(self) -> int:
         with self._cond:
@@ -260,7 +224,7 @@ class Scheduler:
     def held_bytes(self) -> int:
         """Bytes reserved in the memory budget by requests in flight."""
         with self._cond:
-            return self._held.total
+            return self._budget.held
 
     def shutdown(self) -> None:
         with self._cond:
@@ -273,43 +237,20 @@ class Scheduler:
         return not self._thread.is_alive()
 
     # -- compute thread -----------------------------------------------------------
-    def _peek(self) -> Optional[Ticket]:
-        """The next job in turn: the oldest of the client at the front of the rotation."""
-        for queue in self._queues.values():
-            return queue[0]
-        return None
-
-    def _pop(self) -> Ticket:
-        """Take the next job in turn; its client goes to the back of the rotation."""
-        client, queue = next(iter(self._queues.items()))
-        ticket = queue.popleft()
-        del self._queues[client]
-        if queue:
-            self._queues[client] = queue
-        self._keys.remove(ticket, ticket.shares)
-        return ticket
-
-    def _take_out_of_turn(self, ticket: Ticket) -> None:
-        """Take a queued job that is not next in turn; its client keeps its place in the rotation."""
-        queue = self._queues[ticket.client]
-        queue.remove(ticket)
-        if not queue:
-            del self._queues[ticket.client]
-        self._keys.remove(ticket, ticket.shares)
-
     def _fill(self, batch: list[Ticket], tokens: int) -> int:
         """Add the jobs next in turn while they fit, then queued jobs continuing a prefix of the batch (they add
         their own tokens only); the batch's tokens after."""
         limit, g = self.config.max_batch_tokens, self._gathering
-        while (nxt := self._peek()) is not None and tokens + (n := g.body_tokens(nxt.tokens, nxt.shares)) <= limit:
+        q = self._queues
+        while (nxt := q.peek()) is not None and tokens + (n := g.body_tokens(nxt.tokens, nxt.shares)) <= limit:
             tokens += n
-            batch.append(self._pop())
+            batch.append(q.pop())
             g.add(nxt)
-        for mate in self._keys.mates(g.keys()):
+        for mate in self._queues.mates(g.keys()):
             n = g.body_tokens(mate.tokens, mate.shares)
             if tokens + n <= limit:
                 tokens += n
-                self._take_out_of_turn(mate)
+                self._queues.take_out_of_turn(mate)
                 batch.append(mate)
                 g.add(mate)
         return tokens
@@ -329,7 +270,7 @@ class Scheduler:
             if self._stopping:
                 return None
             opened = time.monotonic()
-            batch = [self._pop()]
+            batch = [self._queues.pop()]
             self._gathering = g = Gathering()
             tokens = g.body_tokens(batch[0].tokens, batch[0].shares)
             g.add(batch[0])
@@ -337,7 +278,7 @@ class Scheduler:
                 tokens = self._fill(batch, tokens)
                 grouped = opened - self._split_at < GROUPED_S
                 left = close_time(opened, g.last(grouped), c.batch_delay_s, c.share_wait_s) - time.monotonic()
-                nxt = self._peek()
+                nxt = self._queues.peek()
                 if left <= 0 or tokens >= c.max_batch_tokens or (
                         nxt is not None and tokens + g.body_tokens(nxt.tokens, nxt.shares) > c.max_batch_tokens):
                     break
@@ -362,7 +303,7 @@ class Scheduler:
             if time.monotonic() - started < c.interject_after_s or not self._queues:
                 return None
             with self._cond:
-                small = self._take_small()
+                small = self._queues.take_small(c.interject_tokens)
             if not small:
                 return None
 
@@ -375,25 +316,6 @@ class Scheduler:
                         self._release_work(small)
             return nested
         return between
-
-    def _take_small(self) -> list[Ticket]:
-        """Queued jobs of at most interject_tokens work tokens, that many tokens in all: the clients' oldest in turn
-        (one each per round, from the front of the rotation; a client served goes to its back)."""
-        cap, taken, tokens = self.config.interject_tokens, [], 0
-        while True:
-            served = []
-            for client, queue in list(self._queues.items()):
-                ticket = queue[0]
-                if ticket.work <= cap and tokens + ticket.tokens <= cap:
-                    tokens += ticket.tokens
-                    self._take_out_of_turn(ticket)
-                    taken.append(ticket)
-                    served.append(client)
-            for client in served:
-                if client in self._queues:
-                    self._queues.move_to_end(client)
-            if not served:
-                return taken
 
     def _run(self, batch: list[Ticket], nested_in: Optional[BatchRun] = None) -> None:
         """Run a batch; `nested_in`: the runner of a batch nested between another's steps (it always starts, so

@@ -71,6 +71,10 @@ def _percentiles(xs) -> tuple[float, float]:
     return statistics.median(xs), xs[min(len(xs) - 1, int(0.99 * len(xs)))]
 
 
+def _flag(layout: tuple, name: str) -> int:
+    return int(layout[layout.index(name) + 1]) if name in layout else 1
+
+
 def chaos(tmp_path, seconds: float, *layout: str, http: bool = False) -> None:
     """Hostile gRPC clients (and with `http`, hostile HTTP ones and the polite client on HTTP too) for `seconds`."""
     (tmp_path / "tokens").write_text("\n".join(TOKENS) + "\n")
@@ -99,9 +103,9 @@ def chaos(tmp_path, seconds: float, *layout: str, http: bool = False) -> None:
         assert server.proc.poll() is None, "".join(server.log[-40:])
         with TeacherClient(server.address, token=TOKENS[0]) as c:   # still serving the model it started with
             after = c.model_info()
-        cfg, tp = demo_config("causal"), int(layout[layout.index("--tp") + 1]) if "--tp" in layout else 1
+        cfg, tp, pp = demo_config("causal"), _flag(layout, "--tp"), _flag(layout, "--pp")
         assert (after.kind, after.architecture, after.vocab_size, after.tp_size, after.world_size) == \
-            ("causal_lm", cfg.architectures[0], cfg.vocab_size, tp, tp), after
+            ("causal_lm", cfg.architectures[0], cfg.vocab_size, tp, tp * pp), after
         assert dataclasses.replace(after, shared_prefix_tokens=0) == dataclasses.replace(before, shared_prefix_tokens=0)
         for name, before, after in (("gRPC", unloaded, loaded), ("HTTP", unloaded_http, loaded_http))[: 1 + http]:
             p50u, p99u = _percentiles([t for t, _, _ in before])

@@ -1,0 +1,90 @@
+"""The queued jobs, one queue per client in a rotation: who runs next (fairness), found without a scan.
+
+Batches take the clients' oldest jobs in turn: a client served goes to the back of the rotation, so one
+client's hundred queued requests do not put another's one behind them. Jobs continuing a prefix that a
+batch holds are found by their keys (server.grouping.QueuedKeys) and taken out of turn without moving
+their client. Not thread-safe: the scheduler holds its lock around every call.
+"""
+from __future__ import annotations
+
+import collections
+from typing import Iterator, Optional
+
+from .grouping import QueuedKeys, Shareable
+from .ticket import Ticket
+
+
+class ClientQueues:
+    def __init__(self) -> None:
+        self._queues: collections.OrderedDict[str, collections.deque[Ticket]] = collections.OrderedDict()
+        self._keys = QueuedKeys()                    # queued jobs by their prefix keys
+
+    def __bool__(self) -> bool:
+        return bool(self._queues)
+
+    def __len__(self) -> int:
+        """Jobs queued."""
+        return sum(len(q) for q in self._queues.values())
+
+    def append(self, ticket: Ticket) -> None:
+        self._keys.add(ticket, ticket.shares)
+        self._queues.setdefault(ticket.client, collections.deque()).append(ticket)
+
+    def holds(self, shares: tuple[Shareable, ...]) -> bool:
+        """Whether a queued job has a sequence under one of these prefix keys."""
+        return self._keys.holds(shares)
+
+    def mates(self, keys) -> Iterator[Ticket]:
+        """Queued jobs with a sequence under one of `keys` (a snapshot: safe to take from)."""
+        return self._keys.mates(keys)
+
+    def peek(self) -> Optional[Ticket]:
+        """The next job in turn: the oldest of the client at the front of the rotation."""
+        for queue in self._queues.values():
+            return queue[0]
+        return None
+
+    def pop(self) -> Ticket:
+        """Take the next job in turn; its client goes to the back of the rotation."""
+        client, queue = next(iter(self._queues.items()))
+        ticket = queue.popleft()
+        del self._queues[client]
+        if queue:
+            self._queues[client] = queue
+        self._keys.remove(ticket, ticket.shares)
+        return ticket
+
+    def take_out_of_turn(self, ticket: Ticket) -> None:
+        """Take a queued job that is not next in turn; its client keeps its place in the rotation."""
+        queue = self._queues[ticket.client]
+        queue.remove(ticket)
+        if not queue:
+            del self._queues[ticket.client]
+        self._keys.remove(ticket, ticket.shares)
+
+    def remove(self, ticket: Ticket) -> bool:
+        """Take a job given up before it ran; False when it is not queued (a batch took it)."""
+        queue = self._queues.get(ticket.client)
+        if queue is None or ticket not in queue:
+            return False
+        self.take_out_of_turn(ticket)
+        return True
+
+    def take_small(self, cap: int) -> list[Ticket]:
+        """Queued jobs of at most `cap` work tokens, that many tokens in all: the clients' oldest in turn (one
+        each per round, from the front of the rotation; a client served goes to its back)."""
+        taken, tokens = [], 0
+        while True:
+            served = []
+            for client, queue in list(self._queues.items()):
+                ticket = queue[0]
+                if ticket.work <= cap and tokens + ticket.tokens <= cap:
+                    tokens += ticket.tokens
+                    self.take_out_of_turn(ticket)
+                    taken.append(ticket)
+                    served.append(client)
+            for client in served:
+                if client in self._queues:
+                    self._queues.move_to_end(client)
+            if not served:
+                return taken
