@@ -1,0 +1,81 @@
+"""The scheduler's two books on their own: the clients' fair rotation (ClientQueues) and the bytes held (HeldBytes)."""
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from logitserve.errors import OverLimit, TooLarge
+from logitserve.server.client_queues import ClientQueues
+from logitserve.server.held_bytes import HeldBytes
+from logitserve.server.ticket import Ticket
+from logitserve.spec import Job, LogprobsOpts
+
+pytestmark = pytest.mark.unit
+
+
+@pytest.fixture
+def loop():
+    loop = asyncio.new_event_loop()
+    yield loop
+    loop.close()
+
+
+def _ticket(loop, client: str, tokens: int, work: int = 0) -> Ticket:
+    job = Job(sequences=(np.arange(tokens, dtype=np.int32),), logprobs=LogprobsOpts())
+    return Ticket(job, client, work or tokens, 0, loop, 1 << 20, ())
+
+
+def test_clients_take_turns_whatever_their_queue_lengths(loop):
+    q = ClientQueues()
+    a = [_ticket(loop, "a", 10) for _ in range(5)]
+    b = [_ticket(loop, "b", 10) for _ in range(2)]
+    for t in a[:3] + b + a[3:]:
+        q.append(t)
+    assert len(q) == 7 and q.peek() is a[0]
+    order = [q.pop() for _ in range(7)]
+    assert order == [a[0], b[0], a[1], b[1], a[2], a[3], a[4]]
+    assert not q and q.peek() is None
+
+
+def test_a_job_given_up_leaves_only_if_queued_and_its_client_keeps_its_turn(loop):
+    q = ClientQueues()
+    a1, a2, b1 = _ticket(loop, "a", 4), _ticket(loop, "a", 4), _ticket(loop, "b", 4)
+    for t in (a1, a2, b1):
+        q.append(t)
+    assert q.remove(a2) and not q.remove(a2)
+    taken = q.pop()
+    assert taken is a1 and not q.remove(taken)         # a batch took it: not the queue's to give back
+    assert q.pop() is b1 and not q
+
+
+def test_small_jobs_for_interjection_are_taken_in_turn_up_to_the_cap(loop):
+    q = ClientQueues()
+    big, s1, s2, s3 = _ticket(loop, "a", 2000), _ticket(loop, "b", 300), _ticket(loop, "b", 300), _ticket(loop, "c", 500)
+    heavy = _ticket(loop, "d", 100, work=5000)         # few tokens, much head work (a whole-vocabulary top-k)
+    for t in (big, s1, s2, s3, heavy):
+        q.append(t)
+    taken = q.take_small(1024)
+    assert taken == [s1, s3], taken                    # one per client per round; s2 would pass the cap
+    assert [q.pop() for _ in range(3)] == [big, heavy, s2] and not q
+
+
+def test_held_bytes_refuse_past_the_budget_and_past_a_clients_share():
+    held = HeldBytes(1000, 500)
+    held.add("a", 400)
+    held.check("b", 500, 0)
+    with pytest.raises(OverLimit, match="over its share"):
+        held.check("a", 200, 0)
+    with pytest.raises(OverLimit, match="over --memory-budget 0 MiB"):
+        held.check("b", 400, 300)
+    with pytest.raises(TooLarge, match="even alone"):
+        held.check_alone(700, 400, 10)
+    with pytest.raises(TooLarge, match="over half of --memory-budget"):
+        held.check_outside(600, "a text")
+    held.remove("a", 400)
+    assert held.held == 0
+    held.check("a", 500, 500)
+    unbounded = HeldBytes(None, None)
+    unbounded.check("a", 1 << 40, 1 << 40)
+    unbounded.check_alone(1 << 40, 1 << 40, 10)
