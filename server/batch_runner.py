@@ -4,8 +4,8 @@ A `BatchRun` is `(jobs, skip, between=None) -> events`. After each step the runn
 `between()`; when the scheduler answers with a `Nested`, the runner hands it a runner for
 one batch run inline, at this step boundary (depth one: that batch gets no `between`), then
 goes on with its own steps. A distributed runner does the same on every rank
-(logitserve.distributed); under --pp no batch is nested (stages keep activations in flight
-between steps).
+(logitserve.distributed); under --pp the nested batch's activations travel on a group of
+their own, apart from the outer batch's still in flight (logitserve.pipeline).
 """
 from __future__ import annotations
 

@@ -60,7 +60,7 @@ def _serve_parser(sub, formatter) -> None:
                         "--batch-delay-ms, so their prefix is computed once; 0 = never wait")
     p.add_argument("--interject-after-ms", type=float, default=20.0, metavar="MS",
                    help="a batch running longer than MS runs queued small requests (--interject-tokens) between its "
-                        "head steps, so they do not wait out a large one; 0 = never (never under --pp)")
+                        "head steps, so they do not wait out a large one; 0 = never")
     p.add_argument("--interject-tokens", type=int, default=1024, metavar="N",
                    help="small, for --interject-after-ms: at most N work tokens (tokens weighted by filters and "
                         "top-k); at most N such tokens between two steps")

@@ -19,7 +19,7 @@
   buffer freed, and everyone else goes on.
 - Small jobs do not wait out a long batch: once a batch has run `interject_after_s`, at each of its steps the
   queued jobs of at most `interject_tokens` work tokens (up to that many in all) run as a batch of their own
-  before its next step (server.batch_runner; not under --pp). A heavy job's head steps are cut to about the work
+  before its next step (server.batch_runner). A heavy job's head steps are cut to about the work
   of a plain one's (logitserve.cost.head_chunk_rows), so the wait is about one step.
 - Cancellation: a cancelled or timed-out job is skipped if queued and stopped at its next piece if
   running; its pieces are dropped.

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import CliServer, Reference, assert_close
+from helpers import CliServer, Reference, assert_close, ref_token_logprobs
 from logitserve.client import TeacherClient
 from logitserve.cost import head_chunk_rows
 from logitserve.demo import demo_dir
@@ -87,21 +87,22 @@ def reference():
 
 
 @pytest.mark.multi_process
-@pytest.mark.parametrize("flags,small_first", [((), True), (("--tp", "2"), True),
+@pytest.mark.parametrize("flags,small_first", [((), True), (("--tp", "2"), True), (("--pp", "2"), True),
                                                (("--interject-after-ms", "0"), False)],
-                         ids=["tp1", "tp2", "off"])
+                         ids=["tp1", "tp2", "pp2", "off"])
 def test_a_small_request_is_not_held_behind_a_large_one(reference, flags, small_first):
-    """A 2048-token top-p request (a sort per row: seconds on CPU) is running when a 16-token one arrives: the small
-    one is answered first, exact against float64 transformers; both answers are whole."""
+    """A top-p request of 4 x 512 tokens (a sort per row: seconds on CPU; under --pp 4 micro-batches, some in flight
+    between the stages when the small batch runs) is running when a 16-token one arrives: the small one is answered
+    first, exact against float64 transformers; both answers are whole."""
     rng = np.random.default_rng(3)
-    big, small = rng.integers(3, 32000, 2048), rng.integers(3, 32000, 16)
+    big, small = [rng.integers(3, 32000, 512) for _ in range(4)], rng.integers(3, 32000, 16)
     server = CliServer("--demo", "causal", *flags)
     finished: dict[str, float] = {}
     out: dict[str, np.ndarray] = {}
     try:
         with TeacherClient(server.address) as c:
             def run_big():
-                out["big"] = c.logprobs([big], top_p=0.9)[0]
+                out["big"] = c.logprobs(big, top_p=0.9)
                 finished["big"] = time.monotonic()
             t = threading.Thread(target=run_big)
             t.start()
@@ -112,7 +113,13 @@ def test_a_small_request_is_not_held_behind_a_large_one(reference, flags, small_
     finally:
         assert server.stop() == 0
     assert (finished["small"] < finished["big"]) == small_first, finished
-    assert out["big"].shape == (2048,) and np.isfinite(out["big"][1:]).any()
+    assert [x.shape for x in out["big"]] == [(512,)] * 4 and all(np.isfinite(x[1:]).any() for x in out["big"])
+    if "--pp" in flags:      # the small batch ran between the stages' steps: neither batch's activations met the other's
+        for seq, got in zip(big, out["big"]):                       # the first 64 rows of each, against float64
+            want, got = ref_token_logprobs(reference.logits(seq[:65]), seq[:65], top_p=0.9)[1:], got[1:65]
+            both = np.isfinite(want) & np.isfinite(got)
+            assert (np.isfinite(want) == np.isfinite(got)).mean() > 0.95 and both.sum() > 8, both.sum()
+            np.testing.assert_allclose(got[both], want[both], atol=2e-4)
     want = torch.log_softmax(reference.logits(small), dim=-1)[:-1].gather(-1, torch.as_tensor(small[1:])[:, None])
     assert_close(out["small"][1:], want[:, 0].numpy())
 

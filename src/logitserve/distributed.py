@@ -96,10 +96,11 @@ class DistributedRunner:
 
         `skip` is read after every step and shared with the other ranks (_share_dropped), so all of them
         drop a cancelled job's remaining work at the same point. `between` (server.batch_runner) may nest a
-        batch of small jobs at a step boundary: the same flags tell every rank (never under --pp).
+        batch of small jobs at a step boundary: the same flags tell every rank (under --pp its activations travel
+        on their own group, logitserve.pipeline).
         """
         with self._lock:
-            yield from self._batch(jobs, skip, between if self._ctx.pp == 1 else None)
+            yield from self._batch(jobs, skip, between)
 
     def _batch(self, jobs: list[Job], skip: Callable[[int], bool], between) -> Iterator[Event]:
         dropped = [bool(skip(i)) for i in range(len(jobs))]

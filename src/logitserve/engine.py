@@ -98,6 +98,7 @@ class Engine:
         self.head = Head(loaded, self.head_shard, config.chunk_size, mm_fp32)
         self.hidden_size = int(loaded.head.in_features)      # H: the width of HIDDEN_STATES
         self.step_rows = self._step_rows(config)   # rows of a plain head step (a heavier job's steps take fewer)
+        self._batches = 0                          # --pp: batches running (2: one nested in another's steps)
         self.act_dtype = loaded.dtype            # activations between pipeline stages
         self.stage_input = loaded.stage_input
         self.batching = self._batching(config)
@@ -199,8 +200,12 @@ class Engine:
         units = plan_units(jobs, run.live, self.batching is Batching.PACKED, self.pack_tokens,
                            self.config.min_shared_prefix if self.batching is Batching.PACKED else 0,
                            self.shard.vocab_size)
-        if p.pp > 1:
-            yield from pipeline_steps(self, run, units)
+        if p.pp > 1:     # a batch nested between this one's steps keeps its activations apart (pipeline)
+            self._batches += 1
+            try:
+                yield from pipeline_steps(self, run, units, nested=self._batches > 1)
+            finally:
+                self._batches -= 1
             return
         last = {m.job: k for k, unit in enumerate(units) for m in unit.members if m.job >= 0}   # job -> its last unit
         for k, unit in enumerate(units):
@@ -292,6 +297,20 @@ class Engine:
             step = self.head.chunk_step(run, h[chunk.rows], chunk.segs, cands)
             done = tuple(j for j, end in ends.items() if chunk.rows.start < end <= chunk.rows.stop)
             yield dataclasses.replace(step, done=done) if done else step
+
+    def head_step_bound(self, run: BatchRun, body: list[Member]) -> int:
+        """The most Steps head_steps yields for a packed unit (with every job live; fewer once some are dropped),
+        from the jobs alone: what every pipeline stage plans for a micro-batch, hidden states or not."""
+        jobs, V = run.jobs, self.shard.vocab_size
+        members = [m for m in body if m.job >= 0]
+        opening = int(bool(shared_by_job(body)) or any(_span_is_empty(jobs[m.job], m.sequence) for m in members))
+        if not members:
+            return opening
+        if self.loaded.kind is not ModelKind.CAUSAL_LM:
+            return opening + 1
+        total = sum(hi - lo for lo, hi in (jobs[m.job].head_rows(m.sequence, V) for m in members))
+        rows = min(head_chunk_rows(jobs[m.job], self.step_rows, V) for m in members)
+        return opening + -(-total // rows)
 
     def _opening(self, run: BatchRun, body: list[Member], ids: dict) -> Optional[Step]:
         """A unit's first step when it has one: tokens its sequences share (from the reporting rank) and the empty

@@ -55,6 +55,8 @@ class ParallelContext:
     cp_group: Optional[dist.ProcessGroup]       # None when cp = 1
     control_group: Optional[dist.ProcessGroup]  # gloo, for jobs and results; None when world = 1
     pp_rank: int = 0                            # this rank's pipeline stage
+    nested_p2p_group: Optional[dist.ProcessGroup] = None   # --pp: a batch nested between another's steps sends its
+                                                # activations here, apart from the other's still in flight
 
     @property
     def tp(self) -> int:
@@ -130,7 +132,8 @@ def init_parallel(config: ParallelConfig) -> ParallelContext:
         if t == tp_rank and cp > 1:
             cp_group = g
     control = dist.new_group(list(range(world)), timeout=timeout, backend="gloo")
-    return ParallelContext(config, rank, tp_rank, cp_rank, device, tp_group, cp_group, control, pp_rank)
+    nested = dist.new_group(list(range(world)), timeout=timeout, backend=backend) if config.pp > 1 else None
+    return ParallelContext(config, rank, tp_rank, cp_rank, device, tp_group, cp_group, control, pp_rank, nested)
 
 
 def gather_layout(ctx: ParallelContext) -> Layout:

@@ -6,11 +6,14 @@ stage, the final norm and the lm_head on the last). Every rank plans the same pa
 last stage: it receives micro-batch i's activations `[tokens, H]` from stage s - 1, runs
 its layers and sends them on (isend: it goes on with the next while they travel), so
 after the fill every stage works at once. The last stage runs the head on micro-batch i
-and its events go to rank 0 in the runner's step gather, one step per micro-batch on
-every rank, which is also what keeps the stages in step: stage s enters micro-batch i's
-gather only after sending micro-batch i + lead. In flight per stage: `lead` micro-batches
-(the fewest that keep the last stage fed without a stall, and a bounded activation memory
-of lead x [tokens, H]). Every send and receive runs under the process group's timeout.
+and its events go to rank 0 in the runner's step gather, as many steps per micro-batch on
+every rank as its head steps at most (planned from the jobs alone), which is also what
+keeps the stages in step: stage s enters micro-batch i's gather only after sending
+micro-batch i + lead. In flight per stage: `lead` micro-batches (the fewest that keep the
+last stage fed without a stall, and a bounded activation memory of lead x [tokens, H]).
+A batch of small jobs may run between two steps (server.batch_runner): its activations go
+on a group of their own (ParallelContext.nested_p2p_group), so they never meet the outer
+batch's still in flight. Every send and receive runs under the process group's timeout.
 """
 from __future__ import annotations
 
@@ -106,37 +109,45 @@ def install_stage(body: nn.Module, layers: tuple[int, int], stage: int, pp: int,
     return StageInput(body.layers[0])
 
 
-def pipeline_steps(engine, run, units: list[Pack]) -> Iterator[Step]:
-    """This rank's Steps for a batch under PP: one per micro-batch (unit), the same count on every rank; the last
-    stage's head events, gathered to rank 0, and every stage's StageTime with the last. `engine`: the Engine."""
+def pipeline_steps(engine, run, units: list[Pack], nested: bool = False) -> Iterator[Step]:
+    """This rank's Steps for a batch under PP, the same count on every rank: for each micro-batch (unit) as many
+    as the last stage's head steps at most (Engine.head_step_bound, padded with empty ones when jobs dropped), so a
+    heavy micro-batch is many short steps between which a small batch may run. The last stage's head events are
+    gathered to rank 0; every stage's StageTime comes with the last. `engine`: the Engine. `nested`: a batch run
+    between another's steps sends on its own group, apart from the other's activations still in flight."""
     ctx = engine.parallel
     stage, pp = ctx.pp_rank, ctx.pp
     lead = pp - 1 - stage
-    flow = _StageFlow(engine, run, units, stage)
+    flow = _StageFlow(engine, run, units, stage, ctx.nested_p2p_group if nested else None)
+    last = {m.job: k for k, unit in enumerate(units) for m in unit.members if m.job >= 0}   # job -> its last unit
     for i in range(min(lead, len(units))):
         flow.advance(i)
     for i, unit in enumerate(units):
         if i + lead < len(units):
             flow.advance(i + lead)
-        jobs = tuple(dict.fromkeys(m.job for m in unit.members if m.job >= 0))
-        events: list = []
+        members = list(unit.members)              # the body ran for every member, dropped ones included
+        jobs = tuple(dict.fromkeys(m.job for m in members if m.job >= 0))
+        planned = max(1, engine.head_step_bound(run, members))
+        ending = tuple(j for j in jobs if last[j] == i)       # complete after this micro-batch's last step
+        heads: Iterator[Step] = iter(())
         if stage == pp - 1:
+            heads = engine.head_steps(run, members, flow.done.pop(i), pack_rows(members))
+        for k in range(planned):
             t0 = time.perf_counter()
-            members = list(unit.members)          # the body ran for every member, dropped ones included
-            for step in engine.head_steps(run, members, flow.done.pop(i), pack_rows(members)):
-                events += step.events
+            got = list(heads) if k == planned - 1 else [s for s in (next(heads, None),) if s is not None]
             flow.busy += time.perf_counter() - t0
-        if i == len(units) - 1:
-            events.append(StageTime(stage, flow.busy, time.perf_counter() - flow.t_start))
-        yield Step(jobs, tuple(events))
+            events = [e for s in got for e in s.events]
+            if i == len(units) - 1 and k == planned - 1:
+                events.append(StageTime(stage, flow.busy, time.perf_counter() - flow.t_start))
+            yield Step(jobs, tuple(events), ending if k == planned - 1 else ())
     flow.finish()
 
 
 class _StageFlow:
     """This stage's side of the micro-batches: receive, run its layers, send on (or keep, on the last stage)."""
 
-    def __init__(self, engine, run, units: list[Pack], stage: int):
-        self.engine, self.run, self.units, self.stage = engine, run, units, stage
+    def __init__(self, engine, run, units: list[Pack], stage: int, group: Optional[dist.ProcessGroup]):
+        self.engine, self.run, self.units, self.stage, self.group = engine, run, units, stage, group
         self.last = stage == engine.parallel.pp - 1
         self.lead = engine.parallel.pp - 1 - stage
         self.in_flight: list = []                 # (work, tensor) of sends not yet known to have left
@@ -150,7 +161,7 @@ class _StageFlow:
         if self.stage > 0:
             n = sum(m.length for m in members)
             incoming = torch.empty(n, engine.hidden_size, dtype=engine.act_dtype, device=engine.device)   # [N, H]
-            dist.recv(incoming, src=ctx.stage_peer(-1))
+            dist.recv(incoming, src=ctx.stage_peer(-1), group=self.group)
             engine.stage_input.value = incoming
         t0 = time.perf_counter()
         h = engine.unit_body(self.run.jobs, members)                                               # [N, H]
@@ -161,7 +172,7 @@ class _StageFlow:
             self.done[i] = h
             return
         h = h.contiguous()
-        self.in_flight.append((dist.isend(h, dst=ctx.stage_peer(1)), h))
+        self.in_flight.append((dist.isend(h, dst=ctx.stage_peer(1), group=self.group), h))
         while len(self.in_flight) > max(self.lead, 1):
             self.in_flight.pop(0)[0].wait()
 
