@@ -103,6 +103,7 @@ class Engine:
         self.stage_input = loaded.stage_input
         self.batching = self._batching(config)
         self.pack_tokens = self._pack_tokens(config) if self.batching is Batching.PACKED else 0   # 0: exact
+        self.pp_first_steps = self._pp_first_steps()   # --pp: head steps in a micro-batch's first step
 
     def _step_rows(self, config: EngineConfig) -> int:
         """config.chunk_size, or the rows a plain head step computes within config.step_target_s on this device
@@ -117,6 +118,21 @@ class Engine:
         log.info("head steps of %d rows at most (a plain step of that many within %.0f ms here; chunk size %d)", rows,
                  config.step_target_s * 1e3, config.chunk_size)
         return rows
+
+    def _pp_first_steps(self) -> int:
+        """--pp: how many head steps a micro-batch's first step holds, so that the busiest stage's body of the
+        micro-batch `lead` ahead overlaps them (its body parameters x the micro-batch's tokens, over a head step's
+        rows x V x H: the largest over the stages, so every rank plans alike); its later steps hold one each."""
+        if self.parallel.pp == 1:
+            return 1
+        embedding = {id(p) for p in self.loaded.body.get_input_embeddings().parameters()}
+        body = sum(p.numel() for p in self.loaded.body.parameters() if id(p) not in embedding)
+        step = max(1, self.step_rows * (self.shard.vocab_size // self.parallel.tp) * self.hidden_size)   # V/tp x H
+        steps = torch.tensor([-(-body * self.pack_tokens // step)], dtype=torch.int64)
+        torch.distributed.all_reduce(steps, op=torch.distributed.ReduceOp.MAX, group=self.parallel.control_group)
+        log.info("--pp: a micro-batch's first step holds %d head steps (the stages' bodies overlap them)",
+                 int(steps.item()))
+        return max(1, int(steps.item()))
 
     def _batching(self, config: EngineConfig) -> Batching:
         """Packing needs each sequence whole on one rank: under CP a unit is one sequence. Under PP the

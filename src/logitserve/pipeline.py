@@ -6,8 +6,9 @@ stage, the final norm and the lm_head on the last). Every rank plans the same pa
 last stage: it receives micro-batch i's activations `[tokens, H]` from stage s - 1, runs
 its layers and sends them on (isend: it goes on with the next while they travel), so
 after the fill every stage works at once. The last stage runs the head on micro-batch i
-and its events go to rank 0 in the runner's step gather, as many steps per micro-batch on
-every rank as its head steps at most (planned from the jobs alone), which is also what
+and its events go to rank 0 in the runner's step gather: a first step long enough for the
+earlier stages' bodies to overlap it, then one per head step left, on every rank alike
+(planned from the jobs and the stages' sizes), which is also what
 keeps the stages in step: stage s enters micro-batch i's gather only after sending
 micro-batch i + lead. In flight per stage: `lead` micro-batches (the fewest that keep the
 last stage fed without a stall, and a bounded activation memory of lead x [tokens, H]).
@@ -17,6 +18,7 @@ batch's still in flight. Every send and receive runs under the process group's t
 """
 from __future__ import annotations
 
+import itertools
 import time
 from typing import Iterator, Optional
 
@@ -110,15 +112,17 @@ def install_stage(body: nn.Module, layers: tuple[int, int], stage: int, pp: int,
 
 
 def pipeline_steps(engine, run, units: list[Pack], nested: bool = False) -> Iterator[Step]:
-    """This rank's Steps for a batch under PP, the same count on every rank: for each micro-batch (unit) as many
-    as the last stage's head steps at most (Engine.head_step_bound, padded with empty ones when jobs dropped), so a
-    heavy micro-batch is many short steps between which a small batch may run. The last stage's head events are
+    """This rank's Steps for a batch under PP, the same count on every rank: for each micro-batch (unit) a first
+    step of Engine.pp_first_steps head steps (the earlier stages' bodies of the micro-batches ahead overlap them),
+    then one step per head step left (Engine.head_step_bound, planned from the jobs alone; padded with empty ones
+    when jobs drop), between which a small batch may run. The last stage's head events are
     gathered to rank 0; every stage's StageTime comes with the last. `engine`: the Engine. `nested`: a batch run
     between another's steps sends on its own group, apart from the other's activations still in flight."""
     ctx = engine.parallel
     stage, pp = ctx.pp_rank, ctx.pp
     lead = pp - 1 - stage
     flow = _StageFlow(engine, run, units, stage, ctx.nested_p2p_group if nested else None)
+    first = engine.pp_first_steps    # head steps in a micro-batch's first step: the stages' bodies overlap them
     last = {m.job: k for k, unit in enumerate(units) for m in unit.members if m.job >= 0}   # job -> its last unit
     for i in range(min(lead, len(units))):
         flow.advance(i)
@@ -127,14 +131,14 @@ def pipeline_steps(engine, run, units: list[Pack], nested: bool = False) -> Iter
             flow.advance(i + lead)
         members = list(unit.members)              # the body ran for every member, dropped ones included
         jobs = tuple(dict.fromkeys(m.job for m in members if m.job >= 0))
-        planned = max(1, engine.head_step_bound(run, members))
+        planned = 1 + max(0, engine.head_step_bound(run, members) - first)
         ending = tuple(j for j in jobs if last[j] == i)       # complete after this micro-batch's last step
         heads: Iterator[Step] = iter(())
         if stage == pp - 1:
             heads = engine.head_steps(run, members, flow.done.pop(i), pack_rows(members))
         for k in range(planned):
             t0 = time.perf_counter()
-            got = list(heads) if k == planned - 1 else [s for s in (next(heads, None),) if s is not None]
+            got = list(heads) if k == planned - 1 else list(itertools.islice(heads, first if k == 0 else 1))
             flow.busy += time.perf_counter() - t0
             events = [e for s in got for e in s.events]
             if i == len(units) - 1 and k == planned - 1:
