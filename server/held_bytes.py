@@ -42,14 +42,15 @@ class HeldBytes:
                             f"+{hold / _MiB:.0f} MiB is over its share, half of --memory-budget "
                             f"({self.client_bytes / _MiB:.0f} MiB); read or end some first")
 
-    def check_alone(self, hold: int, peak: int, longest: int) -> None:
-        """TooLarge when the request's peak alone, or its held bytes and peak together, pass the budget."""
-        if self.bytes is None:
-            return
-        if peak > self.bytes:
+    def check_peak(self, peak: int, longest: int) -> None:
+        """TooLarge when the request's estimated peak alone passes the budget (`longest`: its longest sequence)."""
+        if self.bytes is not None and peak > self.bytes:
             raise TooLarge(f"request needs ~{peak / _MiB:.0f} MiB at peak (longest sequence {longest} tokens), over "
                            f"--memory-budget {self.bytes / _MiB:.0f} MiB")
-        if hold + peak > self.bytes:
+
+    def check_alone(self, hold: int, peak: int) -> None:
+        """TooLarge when the request's held bytes and peak together pass the budget."""
+        if self.bytes is not None and hold + peak > self.bytes:
             raise TooLarge(f"memory: this request needs ~{hold / _MiB:.0f} MiB held (its arrays and an output buffer "
                            f"of up to --max-buffered-bytes) + ~{peak / _MiB:.0f} MiB at its peak, over --memory-budget "
                            f"{self.bytes / _MiB:.0f} MiB even alone; send less per request")

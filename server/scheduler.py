@@ -2,7 +2,7 @@
 
 - Admission, before any work: a job is refused (RESOURCE_EXHAUSTED) when the queue would hold more
   than `max_queued_tokens` work tokens (tokens weighted by the head's extra work, logitserve.cost),
-  or its client more than its share; or when the memory budget's books refuse it (server.budget).
+  or its client more than its share; or when the memory budget's books refuse it (server.held_bytes).
   Every refusal names the bound.
 - Fairness: each client (server.admission.client_of) has its own queue; batches take the clients'
   oldest jobs in turn (server.client_queues); within a batch the cheapest jobs run first.
@@ -40,9 +40,9 @@ from logitserve.spec import Job
 
 from .admission import UNKNOWN, Tally
 from .batch_runner import BatchRun, Between, Nested, engine_batch_runner  # noqa: F401 (engine_batch_runner: re-export)
-from .held_bytes import HeldBytes
 from .client_queues import ClientQueues
 from .grouping import GROUPED_S, Gathering, Shareable, close_time
+from .held_bytes import HeldBytes
 from .ticket import DONE, Failed, Gone, Ticket
 
 
@@ -146,13 +146,12 @@ class Scheduler:
         """Queue the job or raise OverLimit; `cost`: the job's, when the caller has it already."""
         c = self.config
         peak = self._estimate(job) if c.memory_budget_bytes is not None and self._estimate is not None else 0
-        longest = max(len(s) for s in job.sequences)
-        self._budget.check_alone(0, peak, longest)
+        self._budget.check_peak(peak, max(len(s) for s in job.sequences))
         cost = cost or self.cost(job)
         shares = self._shares(job) if self._shares is not None else ()
         work = cost.work_tokens if cost is not None else job.num_tokens
         hold = self._hold(cost, extra_hold)
-        self._budget.check_alone(hold, peak, longest)
+        self._budget.check_alone(hold, peak)
         with self._cond:
             if self._work.total + work > c.max_queued_tokens:
                 raise OverLimit(f"queue full: {self._work.total} tokens queued + {work} in this request > "

@@ -70,7 +70,9 @@ def test_held_bytes_refuse_past_the_budget_and_past_a_clients_share():
     with pytest.raises(OverLimit, match="over --memory-budget 0 MiB"):
         held.check("b", 400, 300)
     with pytest.raises(TooLarge, match="even alone"):
-        held.check_alone(700, 400, 10)
+        held.check_alone(700, 400)
+    with pytest.raises(TooLarge, match="at peak .longest sequence 10 tokens"):
+        held.check_peak(1001, 10)
     with pytest.raises(TooLarge, match="over half of --memory-budget"):
         held.check_outside(600, "a text")
     held.remove("a", 400)
@@ -78,4 +80,5 @@ def test_held_bytes_refuse_past_the_budget_and_past_a_clients_share():
     held.check("a", 500, 500)
     unbounded = HeldBytes(None, None)
     unbounded.check("a", 1 << 40, 1 << 40)
-    unbounded.check_alone(1 << 40, 1 << 40, 10)
+    unbounded.check_alone(1 << 40, 1 << 40)
+    unbounded.check_peak(1 << 40, 10)

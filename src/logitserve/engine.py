@@ -307,7 +307,7 @@ class Engine:
         index, picked = gathered_rows(jobs, body, runs, V)
         if index is not None:
             h = h.index_select(0, index.to(h.device))                                          # [M, H]
-        rows = min(head_chunk_rows(jobs[m.job], self.step_rows, V) for m in members)
+        rows = self._packed_head_rows(jobs, members)
         ends = rows_end(picked, ending)                     # job -> the end of its last rows among the selected
         for chunk in gathered_chunks(jobs, picked, ids, rows, run.live):
             step = self.head.chunk_step(run, h[chunk.rows], chunk.segs, cands)
@@ -325,8 +325,11 @@ class Engine:
         if self.loaded.kind is not ModelKind.CAUSAL_LM:
             return opening + 1
         total = sum(hi - lo for lo, hi in (jobs[m.job].head_rows(m.sequence, V) for m in members))
-        rows = min(head_chunk_rows(jobs[m.job], self.step_rows, V) for m in members)
-        return opening + -(-total // rows)
+        return opening + -(-total // self._packed_head_rows(jobs, members))
+
+    def _packed_head_rows(self, jobs: list[Job], members: list[Member]) -> int:
+        """Rows of a packed unit's head steps: the fewest any of its jobs takes (a heavier job's rows are fewer)."""
+        return min(head_chunk_rows(jobs[m.job], self.step_rows, self.shard.vocab_size) for m in members)
 
     def _opening(self, run: BatchRun, body: list[Member], ids: dict) -> Optional[Step]:
         """A unit's first step when it has one: tokens its sequences share (from the reporting rank) and the empty
