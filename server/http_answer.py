@@ -9,7 +9,8 @@ The JSON is encoded on a worker thread (the event loop, which gRPC shares, never
 to the socket in `CHUNK_BYTES` slices, each written only when the transport has taken the last
 (a reader that takes nothing loses its connection after --http-send-timeout-s: server/http_conn.py).
 Large lists (vLLM's prompt_logprobs) are `Streamed`: produced in blocks of rows while the answer is
-being sent, so the whole JSON never exists at once.
+being sent, so the whole JSON never exists at once; bulk ones by a process of their own
+(server/encode_process.py), so their Python never holds the GIL the compute thread needs.
 """
 from __future__ import annotations
 
@@ -35,6 +36,9 @@ JSON_ENTRY_BYTES = 96
 # them: the lists' floats and ints (~32 B per ~20 B of JSON), then orjson's output beside them.
 BUILD_COPIES = 3
 CHUNK_BYTES = 1 << 20                # bytes written to the socket at a time
+# A Streamed list's rows copied to the encoding process (server/encode_process.py): an int64 id and an fp32
+# value per entry, held there while the list is encoded.
+STREAMED_ROW_BYTES = 12
 # The encoding thread lets go of the GIL after each block of a Streamed list (a sleep of this long): encoding
 # is Python under the GIL, and a waiting event loop or compute thread takes it then, so a stream of
 # whole-vocabulary answers costs other clients' requests little latency.
@@ -97,7 +101,8 @@ def check_json_entries(entries: int, where: str, max_response_bytes: int, stream
                         f"over the server's --max-response-bytes {max_response_bytes / 2**20:.0f} MiB; ask "
                         f"for a smaller k or fewer prompts per request, or use the gRPC API, which streams "
                         f"raw tensors")
-    hold_for_answer(min(size, CHUNK_BYTES * 4) if streamed else size * BUILD_COPIES, f"{where}: the JSON answer")
+    held = min(size, CHUNK_BYTES * 4) + entries * STREAMED_ROW_BYTES if streamed else size * BUILD_COPIES
+    hold_for_answer(held, f"{where}: the JSON answer")
 
 
 @dataclass

@@ -201,7 +201,7 @@ class ChunkedJson(Response):
         self.background = None
 
     async def __call__(self, scope, receive, send) -> None:
-        gone = asyncio.Event()
+        gone, it = asyncio.Event(), None
         listener = asyncio.create_task(_until_disconnected(receive, gone))
         try:
             await send({"type": "http.response.start", "status": self.status_code,
@@ -212,10 +212,13 @@ class ChunkedJson(Response):
                 await send({"type": "http.response.body", "body": bytes(chunk), "more_body": True})
             if not gone.is_set():
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
+                it = None
         except OSError:         # the client went away (or was cut for not reading): nothing left to send to
             pass
         finally:
             listener.cancel()
+            if it is not None:      # an answer cut short stops encoding (on the thread that encodes it)
+                await answer.off_loop(it.close, quick=self._hold.quick)
             self._hold.release()
 
 

@@ -120,13 +120,18 @@ class Ctx:
     max_response_bytes: int
     texts: TokenTexts
     tables: Any = None                # json_logprobs.VocabTables over the model's vocabulary
+    encoder: Any = None               # encode_process.EncodeProcess: bulk prompt logprobs, off the GIL
     started: int = field(default_factory=lambda: int(time.time()))
 
     def __post_init__(self):
         from .json_logprobs import VocabTables
 
+        from .encode_process import EncodeProcess
+
         if self.tables is None:
             self.tables = VocabTables(self.texts, self.loaded.vocab_size)
+        if self.encoder is None:
+            self.encoder = EncodeProcess(self.tables)
 
     @property
     def model_id(self) -> str:

@@ -23,6 +23,13 @@ class VocabTables:
         self._vocab = vocab
         self._head = self._tail = self._rank = None
 
+    @classmethod
+    def prebuilt(cls, head: np.ndarray, tail: np.ndarray, rank: np.ndarray) -> "VocabTables":
+        """Tables built elsewhere (the encoding process gets the server's: server/encode_process.py)."""
+        tables = cls(None, len(head))
+        tables._head, tables._tail, tables._rank = head, tail, rank
+        return tables
+
     def _build(self) -> None:
         texts = self._texts.of(np.arange(self._vocab)) if self._texts.available else [None] * self._vocab
         self._head = np.array([b'"%d":{"logprob":' % i for i in range(self._vocab)], dtype=object)
