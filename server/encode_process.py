@@ -12,6 +12,7 @@ the answers it was encoding (EncoderLost) and is started again for the next.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import itertools
 import logging
 import os
@@ -171,7 +172,15 @@ def serve(conn: Connection) -> None:
                 answers.pop(aid, None)
 
 
+def _background() -> None:
+    """Linux SCHED_IDLE (run only on a core nothing else wants), else nice NICE."""
+    try:
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+    except (OSError, AttributeError):
+        with contextlib.suppress(OSError):
+            os.nice(NICE)
+
+
 if __name__ == "__main__":
-    with __import__("contextlib").suppress(OSError):
-        os.nice(NICE)
+    _background()
     serve(Connection(int(sys.argv[1])))

@@ -183,6 +183,7 @@ class HttpFrontEnd:
             self._server.should_exit = True
             with contextlib.suppress(Exception):
                 await self._task
+        await asyncio.to_thread(self.ctx.encoder.close)
 
 
 def _filter_accept_errors() -> None:

@@ -110,5 +110,8 @@ def test_whole_vocabulary_prompt_logprobs_through_the_process_are_exact(tmp_path
                 assert_close([e["logprob"] for e in entry.values()], lsm[ids].tolist())
             os.kill(workers[0], signal.SIGKILL)
             time.sleep(0.2)
+        post(base, "/v1/completions", {"prompt": seq, "max_tokens": 0, "prompt_logprobs": -1})
+        assert len(_workers()) == 1
     finally:
         server.stop()
+    assert _workers() == []         # stopped with the server
