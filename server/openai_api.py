@@ -111,7 +111,7 @@ def _prompt_dicts(seq: np.ndarray, rows, k: int, ctx: Ctx, L: int) -> list:
 
 def _prompt_json(seq: np.ndarray, rows, k: int, ctx: Ctx, L: int) -> Streamed:
     """The same list as [None] * first + _prompt_dicts, as JSON bytes built column-wise (json_logprobs), a block
-    of rows at a time while the answer is sent."""
+    of rows at a time while the answer is sent; a list over QUICK_BYTES by the encoding process."""
     top_ids = rows.top_ids[:, :k].astype(np.int64) if k else None
     top_v = rows.top_values[:, :k] if k else None
     args = (seq[rows.first:L].astype(np.int64), rows.logprobs, rows.ranks, top_ids, top_v, rows.first)
