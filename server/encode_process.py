@@ -20,6 +20,7 @@ import socket
 import subprocess
 import sys
 import threading
+import weakref
 from multiprocessing.connection import Connection
 from typing import Iterator, Optional
 
@@ -44,6 +45,7 @@ class EncodeProcess:
         self._conn: Optional[Connection] = None
         self._ids = itertools.count()
         self._closing: list[int] = []     # answers abandoned while the socket was busy: closed on the next trip
+        self._at_exit = False
 
     def parts(self, targets, logprobs, ranks, top_ids, top_values, leading_nulls: int) -> Iterator[bytes]:
         """prompt_logprobs_parts(...)'s bytes, in chunks. targets/logprobs/ranks: [n], top_ids/top_values: [n, k]
@@ -77,9 +79,9 @@ class EncodeProcess:
             if self._conn is None:
                 self._start()
             try:
-                for aid in self._closing:
+                closing, self._closing = self._closing, []     # (a swap: appends from other threads go on)
+                for aid in closing:
                     self._conn.send(("close", aid))
-                self._closing.clear()
                 self._conn.send(message)
                 return self._conn.recv() if reply else None
             except (OSError, EOFError) as e:
@@ -109,12 +111,14 @@ class EncodeProcess:
             theirs.close()
         self._conn = Connection(ours.detach())
         self._conn.send(("tables", *self._tables.tables()))
-        atexit.register(self.close)
+        if not self._at_exit:
+            self._at_exit = True
+            atexit.register(_close, weakref.ref(self))
         log.info("HTTP encoding process %d started (nice %d)", self._proc.pid, NICE)
 
     def _stop(self) -> Optional[int]:
         conn, proc, self._conn, self._proc = self._conn, self._proc, None, None
-        self._closing.clear()
+        self._closing = []
         if conn is not None:
             conn.close()
         if proc is None:
@@ -124,6 +128,12 @@ class EncodeProcess:
         except subprocess.TimeoutExpired:
             proc.kill()
             return proc.wait()
+
+
+def _close(ref: "weakref.ref[EncodeProcess]") -> None:
+    encoder = ref()
+    if encoder is not None:
+        encoder.close()
 
 
 def _chunks(parts: Iterator[bytes]) -> Iterator[bytes]:
