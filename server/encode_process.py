@@ -4,18 +4,23 @@ A whole-vocabulary vLLM `prompt_logprobs` answer is hundreds of MB of JSON made 
 GIL. On the server's encoding thread it took the GIL from the compute thread a few hundred times per
 step (each torch call gives it up and must get it back), which doubled small requests' latency under
 load (the chaos test at --tp 2: gRPC p50 67 ms against 43 ms with bulk encoding slowed to a crawl).
-Here one worker process (started at the first bulk answer, Linux nice `NICE`) holds the vocabulary's
-JSON tables and encodes each answer's rows into ~CHUNK_BYTES chunks, one ahead per answer, sent over a
-socket pair; the server's encoding thread only waits on the socket (GIL released). A lost worker fails
-the answers it was encoding (EncoderLost) and is started again for the next.
+Here one worker process (started at the first bulk answer, at Linux SCHED_IDLE, else nice `NICE`) holds
+the vocabulary's JSON tables and encodes each answer's rows into ~CHUNK_BYTES chunks, one ahead per
+answer, sent over a socket pair. The rows go to it as raw bytes and the chunks come back as raw bytes,
+so the server's encoding thread mostly waits on the socket with the GIL released.
+A worker that dies or answers nothing for `REPLY_TIMEOUT_S` fails every answer it had open (EncoderLost:
+their connections are cut, never ended as if complete); the next answer starts another. A worker that
+cannot start leaves answers to the thread (prompt_logprobs_parts in this process), as before.
 """
 from __future__ import annotations
 
 import atexit
+import collections
 import contextlib
 import itertools
 import logging
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -24,15 +29,18 @@ import weakref
 from multiprocessing.connection import Connection
 from typing import Iterator, Optional
 
+import numpy as np
+
 from .json_logprobs import VocabTables, prompt_logprobs_parts
 
 log = logging.getLogger("logitserve.http")
-NICE = 10                  # the worker's Linux nice: bulk JSON takes the cores compute leaves idle
+NICE = 10                  # the worker's Linux nice where SCHED_IDLE is refused
 CHUNK_BYTES = 1 << 20      # bytes per chunk sent back (the answer's hold covers four: server/http_answer.py)
+REPLY_TIMEOUT_S = 120.0    # a chunk not encoded within this long: the worker is taken as lost
 
 
 class EncoderLost(ConnectionError):
-    """The encoding process went away while an answer was being encoded: that answer is cut."""
+    """The encoding process went away (or stopped answering) while an answer was being encoded: it is cut."""
 
 
 class EncodeProcess:
@@ -43,19 +51,25 @@ class EncodeProcess:
         self._lock = threading.Lock()     # one round trip at a time on the socket
         self._proc: Optional[subprocess.Popen] = None
         self._conn: Optional[Connection] = None
+        self._generation = 0              # +1 per worker started: an answer belongs to the one that opened it
         self._ids = itertools.count()
-        self._closing: list[int] = []     # answers abandoned while the socket was busy: closed on the next trip
+        self._closing: collections.deque[int] = collections.deque()   # abandoned answers, closed on the next trip
+        self._closed = False
         self._at_exit = False
 
     def parts(self, targets, logprobs, ranks, top_ids, top_values, leading_nulls: int) -> Iterator[bytes]:
         """prompt_logprobs_parts(...)'s bytes, in chunks. targets/logprobs/ranks: [n], top_ids/top_values: [n, k]
         (or None)."""
+        rows = (targets, logprobs, ranks, top_ids, top_values)
         aid = next(self._ids)
-        self._trip(("open", aid, (targets, logprobs, ranks, top_ids, top_values, leading_nulls)), reply=False)
+        generation = self._open(aid, rows, leading_nulls)
+        if generation is None:          # no worker could start: this thread encodes it
+            yield from prompt_logprobs_parts(*rows, leading_nulls, self._tables)
+            return
         finished = False
         try:
             while True:
-                kind, data = self._trip(("next", aid))
+                kind, data = self._trip(("next", aid), generation)
                 if kind == "end":
                     finished = True
                     return
@@ -65,60 +79,109 @@ class EncodeProcess:
                 yield data
         finally:
             if not finished:
-                self._abandon(aid)
+                self._closing.append(aid)
+                self._flush_closing(blocking=False)
 
     def close(self) -> None:
-        """Stop the worker (it also exits on its own when this process goes: its socket reads end of file)."""
+        """Stop the worker for good (it also exits on its own when this process goes: its socket reads end of
+        file). Kills it first, so a round trip waiting on it ends at once."""
+        self._closed = True
+        proc = self._proc
+        if proc is not None and proc.poll() is None:
+            proc.kill()
         with self._lock:
             self._stop()
 
-    def _trip(self, message, reply: bool = True):
+    # -- the socket ------------------------------------------------------------------------------------------------
+    def _open(self, aid: int, rows: tuple, leading_nulls: int) -> Optional[int]:
+        """Send an answer's rows to the worker (starting one if none runs); its generation, or None when no worker
+        can start."""
         with self._lock:
+            if self._closed:
+                raise EncoderLost("the HTTP front-end is stopping")
             if self._proc is not None and self._proc.poll() is not None:     # died while idle: start another
                 log.warning("the HTTP encoding process had exited (code %s): starting another", self._stop())
-            if self._conn is None:
-                self._start()
-            try:
-                closing, self._closing = self._closing, []     # (a swap: appends from other threads go on)
-                for aid in closing:
-                    self._conn.send(("close", aid))
-                self._conn.send(message)
-                return self._conn.recv() if reply else None
-            except (OSError, EOFError) as e:
-                code = self._stop()
-                log.warning("the HTTP encoding process was lost (exit code %s): its answers are cut", code)
-                raise EncoderLost(f"the encoding process was lost: {e}") from None
+            if self._conn is None and not self._start():
+                return None
+            arrays = [None if a is None else np.ascontiguousarray(a) for a in rows]
+            header = [None if a is None else (a.dtype.str, a.shape) for a in arrays]
+            self._guarded(lambda: self._send_open(aid, header, arrays, leading_nulls))
+            return self._generation
 
-    def _abandon(self, aid: int) -> None:
-        """Drop an answer the client no longer reads; never blocks (this may run in the garbage collector)."""
-        if self._lock.acquire(blocking=False):
-            try:
-                if self._conn is not None:
-                    self._conn.send(("close", aid))
-            except OSError:
-                pass
-            finally:
-                self._lock.release()
-        else:
-            self._closing.append(aid)
+    def _send_open(self, aid: int, header: list, arrays: list, leading_nulls: int) -> None:
+        self._conn.send(("open", aid, header, leading_nulls))
+        for a in arrays:
+            if a is not None:
+                self._conn.send_bytes(a.reshape(-1).view(np.uint8))    # raw: written with the GIL released
 
-    def _start(self) -> None:
+    def _trip(self, message, generation: int):
+        with self._lock:
+            if generation != self._generation or self._conn is None:
+                raise EncoderLost("the encoding process that held this answer was lost")
+            return self._guarded(lambda: self._round_trip(message))
+
+    def _round_trip(self, message):
+        self._send_closing()
+        self._conn.send(message)
+        if not self._conn.poll(REPLY_TIMEOUT_S):
+            raise TimeoutError(f"no chunk within {REPLY_TIMEOUT_S:.0f} s")
+        kind, data = self._conn.recv()
+        if kind == "data":
+            data = self._conn.recv_bytes()
+        self._send_closing()
+        return kind, data
+
+    def _guarded(self, fn):
+        """fn() on the socket (the lock held); any failure stops the worker and fails its open answers."""
+        try:
+            return fn()
+        except BaseException as e:
+            code = self._stop()
+            log.warning("the HTTP encoding process was lost (exit code %s; %s): its open answers are cut", code,
+                        type(e).__name__)
+            raise EncoderLost(f"the encoding process was lost: {type(e).__name__}: {e}") from None
+
+    def _send_closing(self) -> None:
+        while self._closing:
+            self._conn.send(("close", self._closing.popleft()))
+
+    def _flush_closing(self, blocking: bool) -> None:
+        """Close abandoned answers now when the socket is free (this may run in a garbage collector's finalizer,
+        so it never waits for the lock); otherwise the next round trip does."""
+        if not self._lock.acquire(blocking=blocking):
+            return
+        try:
+            if self._conn is not None:
+                with contextlib.suppress(OSError):
+                    self._send_closing()
+        finally:
+            self._lock.release()
+
+    def _start(self) -> bool:
         ours, theirs = socket.socketpair()
         try:
             self._proc = subprocess.Popen([sys.executable, "-m", __name__, str(theirs.fileno())],
                                           pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL)
+            self._conn = Connection(ours.detach())
+            self._conn.send(("tables", *self._tables.tables()))
+        except OSError as e:
+            ours.close()
+            self._stop()
+            log.warning("the HTTP encoding process could not start (%s): bulk answers are encoded on a thread", e)
+            return False
         finally:
             theirs.close()
-        self._conn = Connection(ours.detach())
-        self._conn.send(("tables", *self._tables.tables()))
+        self._generation += 1
+        self._closing.clear()
         if not self._at_exit:
             self._at_exit = True
             atexit.register(_close, weakref.ref(self))
-        log.info("HTTP encoding process %d started (nice %d)", self._proc.pid, NICE)
+        log.info("HTTP encoding process %d started (SCHED_IDLE, else nice %d)", self._proc.pid, NICE)
+        return True
 
     def _stop(self) -> Optional[int]:
         conn, proc, self._conn, self._proc = self._conn, self._proc, None, None
-        self._closing = []
+        self._generation += 1             # answers of the worker stopped are lost with it
         if conn is not None:
             conn.close()
         if proc is None:
@@ -136,6 +199,7 @@ def _close(ref: "weakref.ref[EncodeProcess]") -> None:
         encoder.close()
 
 
+# -- the worker ------------------------------------------------------------------------------------------------------
 def _chunks(parts: Iterator[bytes]) -> Iterator[bytes]:
     pending, size = [], 0
     for part in parts:
@@ -157,8 +221,20 @@ def _next(answer: Iterator[bytes]) -> tuple[str, object]:
         return "error", f"{type(e).__name__}: {e}"
 
 
+def _rows(conn: Connection, header: list) -> list:
+    return [None if h is None else np.frombuffer(conn.recv_bytes(), dtype=h[0]).reshape(h[1]) for h in header]
+
+
+def _reply(conn: Connection, reply: tuple[str, object]) -> None:
+    if reply[0] == "data":
+        conn.send(("data", None))
+        conn.send_bytes(reply[1])
+    else:
+        conn.send(reply)
+
+
 def serve(conn: Connection) -> None:
-    """The worker: answers "open", "next" and "close" until the server's end of the socket closes."""
+    """The worker: answers "open", "next", "close" and "live" until the server's end of the socket closes."""
     _, head, tail, rank = conn.recv()
     tables = VocabTables.prebuilt(head, tail, rank)
     answers: dict[int, Iterator[bytes]] = {}
@@ -169,13 +245,16 @@ def serve(conn: Connection) -> None:
         except (EOFError, OSError):
             return
         if op == "open":
-            answers[aid] = _chunks(prompt_logprobs_parts(*rest[0], tables))
+            header, leading_nulls = rest
+            answers[aid] = _chunks(prompt_logprobs_parts(*_rows(conn, header), leading_nulls, tables))
         elif op == "close":
             answers.pop(aid, None)
             ahead.pop(aid, None)
+        elif op == "live":                           # (tests) answers open here
+            conn.send(("live", len(answers)))
         elif op == "next":
-            reply = ahead.pop(aid, None) or (_next(answers[aid]) if aid in answers else ("end", None))
-            conn.send(reply)
+            reply = ahead.pop(aid, None) or (_next(answers[aid]) if aid in answers else ("error", "unknown answer"))
+            _reply(conn, reply)
             if reply[0] == "data":
                 ahead[aid] = _next(answers[aid])
             else:
@@ -183,7 +262,10 @@ def serve(conn: Connection) -> None:
 
 
 def _background() -> None:
-    """Linux SCHED_IDLE (run only on a core nothing else wants), else nice NICE."""
+    """Linux SCHED_IDLE (run only on a core nothing else wants), else nice NICE; the server's signals are its
+    own (Ctrl-C reaches the whole process group): the worker ends when the server closes its socket."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:
         os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
     except (OSError, AttributeError):

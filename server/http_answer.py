@@ -37,7 +37,7 @@ JSON_ENTRY_BYTES = 96
 BUILD_COPIES = 3
 CHUNK_BYTES = 1 << 20                # bytes written to the socket at a time
 # A Streamed list's rows copied to the encoding process (server/encode_process.py): an int64 id and an fp32
-# value per entry, held there while the list is encoded.
+# value per entry (and an int64 rank per row), held there while the list is encoded.
 STREAMED_ROW_BYTES = 12
 # The encoding thread lets go of the GIL after each block of a Streamed list (a sleep of this long): encoding
 # is Python under the GIL, and a waiting event loop or compute thread takes it then, so a stream of

@@ -214,13 +214,15 @@ class ChunkedJson(Response):
             if not gone.is_set():
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
                 it = None
-        except OSError:         # the client went away (or was cut for not reading): nothing left to send to
-            pass
+        except OSError:         # the client went away (or was cut for not reading), or the encoding process was
+            pass                # lost (encode_process.EncoderLost): the answer ends unfinished, its connection cut
         finally:
             listener.cancel()
-            if it is not None:      # an answer cut short stops encoding (on the thread that encodes it)
-                await answer.off_loop(it.close, quick=self._hold.quick)
-            self._hold.release()
+            try:
+                if it is not None:      # an answer cut short stops encoding (on the thread that encodes it)
+                    await answer.off_loop(it.close, quick=self._hold.quick)
+            finally:
+                self._hold.release()
 
 
 async def _until_disconnected(receive, gone: asyncio.Event) -> None:

@@ -49,35 +49,43 @@ def _rows(rng, n: int, k: int):
             rng.integers(0, V, (n, k)).astype(np.int64), logprobs[:, 1:], 1)
 
 
+def _live(enc) -> int:
+    """Answers the worker holds open."""
+    return enc._trip(("live", 0), enc._generation)[1]
+
+
 @pytest.mark.unit
-def test_the_process_sends_the_threads_bytes_and_restarts_when_lost():
-    from logitserve.server.encode_process import EncodeProcess
+def test_the_process_sends_the_threads_bytes_and_cuts_what_a_lost_worker_held():
+    from logitserve.server.encode_process import EncodeProcess, EncoderLost
     from logitserve.server.json_logprobs import VocabTables, prompt_logprobs_parts
 
     tables = VocabTables(_Texts(), V)
     enc = EncodeProcess(tables)
+    same = lambda rows: b"".join(enc.parts(*rows)) == b"".join(prompt_logprobs_parts(*rows, tables))  # noqa: E731
     try:
         rng = np.random.default_rng(0)
         for n, k in ((40, 300), (3, 0), (1, 5000)):        # blocks of rows, no top-k, one row in column slices
             rows = _rows(rng, n, k)
-            want = b"".join(prompt_logprobs_parts(*rows, tables))
-            assert b"".join(enc.parts(*rows)) == want
-            json.loads(want)
-        first = _workers()
-        assert len(first) == 1
-        os.kill(first[0], signal.SIGKILL)           # lost while idle: the next answer starts another
+            assert same(rows)
+            json.loads(b"".join(prompt_logprobs_parts(*rows, tables)))
+        pid = enc._proc.pid
+        os.kill(pid, signal.SIGKILL)                # lost while idle: the next answer starts another
         time.sleep(0.2)
-        rows = _rows(rng, 50, 300)
-        assert b"".join(enc.parts(*rows)) == b"".join(prompt_logprobs_parts(*rows, tables))
-        assert len(_workers()) == 1 and _workers() != first
-        it = enc.parts(*_rows(rng, 2000, 300))       # ~60 MB of JSON: abandoned after one chunk
-        next(it)
-        it.close()
-        rows = _rows(rng, 5, 300)
-        assert b"".join(enc.parts(*rows)) == b"".join(prompt_logprobs_parts(*rows, tables))
+        assert same(_rows(rng, 50, 300)) and enc._proc.pid != pid
+        a, b = enc.parts(*_rows(rng, 2000, 300)), enc.parts(*_rows(rng, 2000, 300))   # ~60 MB of JSON each
+        next(a), next(b)
+        assert _live(enc) == 2
+        a.close()                                   # abandoned: the worker lets go of its rows
+        assert _live(enc) == 1
+        os.kill(enc._proc.pid, signal.SIGKILL)      # lost mid-answer: the answer it held is cut, not ended,
+        time.sleep(0.2)
+        assert same(_rows(rng, 5, 300)) and _live(enc) == 0     # even after a new answer started another worker
+        with pytest.raises(EncoderLost):
+            list(b)
     finally:
         enc.close()
-    assert _workers() == []
+    with pytest.raises(EncoderLost):                # closed for good (the front-end stopped)
+        list(enc.parts(*_rows(rng, 5, 300)))
 
 
 @pytest.mark.live_server
@@ -88,6 +96,7 @@ def test_whole_vocabulary_prompt_logprobs_through_the_process_are_exact(tmp_path
 
     directory = build_model(tmp_path / "llama", "llama")
     demo_tokenizer(VOCAB).save_pretrained(directory)
+    before = set(_workers())
     server = serve_dir(directory, http_port=0)
     try:
         base, ref = f"http://127.0.0.1:{server.running.http_port}", Reference(directory)
@@ -95,7 +104,7 @@ def test_whole_vocabulary_prompt_logprobs_through_the_process_are_exact(tmp_path
         for attempt in range(2):
             status, out = post(base, "/v1/completions", {"prompt": seq, "max_tokens": 0, "prompt_logprobs": -1})
             assert status == 200, out
-            workers = _workers()
+            workers = sorted(set(_workers()) - before)
             assert len(workers) == 1, workers
             plp = out["choices"][0]["prompt_logprobs"]
             z = ref.logits(seq)
@@ -111,7 +120,7 @@ def test_whole_vocabulary_prompt_logprobs_through_the_process_are_exact(tmp_path
             os.kill(workers[0], signal.SIGKILL)
             time.sleep(0.2)
         post(base, "/v1/completions", {"prompt": seq, "max_tokens": 0, "prompt_logprobs": -1})
-        assert len(_workers()) == 1
+        assert len(set(_workers()) - before) == 1
     finally:
         server.stop()
-    assert _workers() == []         # stopped with the server
+    assert set(_workers()) - before == set()        # stopped with the server
