@@ -25,6 +25,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 import weakref
 from multiprocessing.connection import Connection
 from typing import Iterator, Optional
@@ -55,7 +56,7 @@ class EncodeProcess:
         self._ids = itertools.count()
         self._closing: collections.deque[int] = collections.deque()   # abandoned answers, closed on the next trip
         self._closed = False
-        self._at_exit = False
+        atexit.register(_close, weakref.ref(self))
 
     def parts(self, targets, logprobs, ranks, top_ids, top_values, leading_nulls: int) -> Iterator[bytes]:
         """prompt_logprobs_parts(...)'s bytes, in chunks. targets/logprobs/ranks: [n], top_ids/top_values: [n, k]
@@ -80,7 +81,7 @@ class EncodeProcess:
         finally:
             if not finished:
                 self._closing.append(aid)
-                self._flush_closing(blocking=False)
+                self._flush_closing()
 
     def close(self) -> None:
         """Stop the worker for good (it also exits on its own when this process goes: its socket reads end of
@@ -145,10 +146,10 @@ class EncodeProcess:
         while self._closing:
             self._conn.send(("close", self._closing.popleft()))
 
-    def _flush_closing(self, blocking: bool) -> None:
+    def _flush_closing(self) -> None:
         """Close abandoned answers now when the socket is free (this may run in a garbage collector's finalizer,
         so it never waits for the lock); otherwise the next round trip does."""
-        if not self._lock.acquire(blocking=blocking):
+        if not self._lock.acquire(blocking=False):
             return
         try:
             if self._conn is not None:
@@ -173,9 +174,6 @@ class EncodeProcess:
             theirs.close()
         self._generation += 1
         self._closing.clear()
-        if not self._at_exit:
-            self._at_exit = True
-            atexit.register(_close, weakref.ref(self))
         log.info("HTTP encoding process %d started (SCHED_IDLE, else nice %d)", self._proc.pid, NICE)
         return True
 
@@ -199,17 +197,23 @@ def _close(ref: "weakref.ref[EncodeProcess]") -> None:
         encoder.close()
 
 
-# -- the worker ------------------------------------------------------------------------------------------------------
-def _chunks(parts: Iterator[bytes]) -> Iterator[bytes]:
+def joined(parts: Iterator[bytes], chunk: int, pause_s: Optional[float] = None) -> Iterator[bytes]:
+    """The parts joined into chunks of at least `chunk` bytes (but for the last); `pause_s`: a sleep before each
+    part (an encoding thread lets go of the GIL there)."""
     pending, size = [], 0
     for part in parts:
+        if pause_s is not None:
+            time.sleep(pause_s)
         pending.append(part)
         size += len(part)
-        if size >= CHUNK_BYTES:
+        if size >= chunk:
             yield b"".join(pending)
             pending, size = [], 0
     if pending:
         yield b"".join(pending)
+
+
+# -- the worker ------------------------------------------------------------------------------------------------------
 
 
 def _next(answer: Iterator[bytes]) -> tuple[str, object]:
@@ -246,7 +250,7 @@ def serve(conn: Connection) -> None:
             return
         if op == "open":
             header, leading_nulls = rest
-            answers[aid] = _chunks(prompt_logprobs_parts(*_rows(conn, header), leading_nulls, tables))
+            answers[aid] = joined(prompt_logprobs_parts(*_rows(conn, header), leading_nulls, tables), CHUNK_BYTES)
         elif op == "close":
             answers.pop(aid, None)
             ahead.pop(aid, None)

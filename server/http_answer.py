@@ -29,6 +29,8 @@ import orjson
 
 from logitserve.errors import TooLarge
 
+from .encode_process import joined
+
 # Bytes one JSON logprob entry takes at most, about: `"12345":{"logprob":-12.345678901234567,"rank":12345,
 # "decoded_token":"..."}` with a token text of up to ~20 bytes. Checked against --max-response-bytes.
 JSON_ENTRY_BYTES = 96
@@ -101,8 +103,15 @@ def check_json_entries(entries: int, where: str, max_response_bytes: int, stream
                         f"over the server's --max-response-bytes {max_response_bytes / 2**20:.0f} MiB; ask "
                         f"for a smaller k or fewer prompts per request, or use the gRPC API, which streams "
                         f"raw tensors")
-    held = min(size, CHUNK_BYTES * 4) + entries * STREAMED_ROW_BYTES if streamed else size * BUILD_COPIES
+    apart = entries * STREAMED_ROW_BYTES if encoded_apart(entries) else 0     # rows copied to the encoding process
+    held = min(size, CHUNK_BYTES * 4) + apart if streamed else size * BUILD_COPIES
     hold_for_answer(held, f"{where}: the JSON answer")
+
+
+def encoded_apart(entries: int) -> bool:
+    """Whether a Streamed list of `entries` logprob entries is bulk, encoded by the encoding process (an answer
+    under QUICK_BYTES of JSON stays on a thread of this process)."""
+    return entries * JSON_ENTRY_BYTES > QUICK_BYTES
 
 
 @dataclass
@@ -147,16 +156,8 @@ def pieces(content: Any) -> Iterator[bytes]:
     for i, part in enumerate(parts):
         yield from _slices(part)
         if i < len(streamed):
-            pending, size = [], 0
-            for chunk in streamed[i].parts():
-                time.sleep(PAUSE_S)
-                pending.append(chunk)
-                size += len(chunk)
-                if size >= CHUNK_BYTES:
-                    yield from _slices(b"".join(pending))
-                    pending, size = [], 0
-            if pending:
-                yield b"".join(pending)
+            for chunk in joined(streamed[i].parts(), CHUNK_BYTES, PAUSE_S):
+                yield from _slices(chunk)
 
 
 def _slices(data: bytes) -> Iterator[bytes]:

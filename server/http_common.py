@@ -124,9 +124,8 @@ class Ctx:
     started: int = field(default_factory=lambda: int(time.time()))
 
     def __post_init__(self):
-        from .json_logprobs import VocabTables
-
         from .encode_process import EncodeProcess
+        from .json_logprobs import VocabTables
 
         if self.tables is None:
             self.tables = VocabTables(self.texts, self.loaded.vocab_size)

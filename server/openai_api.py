@@ -20,7 +20,7 @@ from logitserve.errors import InvalidRequest, NotSupported
 from logitserve.spec import ModelKind
 from logitserve.validate import check_candidates_per_row
 
-from .http_answer import JSON_ENTRY_BYTES, QUICK_BYTES, Deferred, Streamed
+from .http_answer import Deferred, Streamed, encoded_apart
 from .http_common import Ctx, check_request_id, clamp, detokenize_ids, fields, id_array, new_id, npy_b64, request_id
 from .json_logprobs import prompt_logprobs_parts
 from .params import Param, ParamTable
@@ -115,7 +115,7 @@ def _prompt_json(seq: np.ndarray, rows, k: int, ctx: Ctx, L: int) -> Streamed:
     top_ids = rows.top_ids[:, :k].astype(np.int64) if k else None
     top_v = rows.top_values[:, :k] if k else None
     args = (seq[rows.first:L].astype(np.int64), rows.logprobs, rows.ranks, top_ids, top_v, rows.first)
-    if len(rows.logprobs) * (k + 1) * JSON_ENTRY_BYTES > QUICK_BYTES:     # bulk: encoded in a process of its own
+    if encoded_apart(len(rows.logprobs) * (k + 1)):     # bulk: encoded in a process of its own
         return Streamed(lambda: ctx.encoder.parts(*args))
     return Streamed(lambda: prompt_logprobs_parts(*args, ctx.tables))
 
