@@ -11,7 +11,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-from helpers import CliServer, Reference, TorchrunServer, build_model, serve_dir  # noqa: E402,F401
+from helpers import (CliServer, Reference, TorchrunServer, build_model, copy_venv, make_venv,  # noqa: E402,F401
+                     pip_install, serve_dir)
+from helpers.venvs import ROOT, TORCH  # noqa: E402
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -61,6 +63,20 @@ def client(llama_server):
 
     with TeacherClient(llama_server.address) as c:
         yield c
+
+
+@pytest.fixture(scope="session")
+def torch_venv(tmp_path_factory):
+    """A venv holding only torch (helpers.venvs): tests copy it (copy_venv) instead of installing torch again."""
+    return make_venv(tmp_path_factory.mktemp("torch-venv") / "venv", TORCH)
+
+
+@pytest.fixture(scope="session")
+def server_venv(torch_venv, tmp_path_factory):
+    """torch_venv plus `pip install logitserve[server]` from this checkout, as a user installs the server."""
+    env = copy_venv(torch_venv, tmp_path_factory.mktemp("server-venv") / "venv")
+    pip_install(env, f"{ROOT}[server]")
+    return env
 
 
 @pytest.fixture(scope="session")

@@ -1,5 +1,6 @@
 """logitserve beside a student's ecosystem: with tritonclient[grpc] 2.73 (protobuf < 7) in one fresh environment,
-client and server import, serve and answer (about a minute: it builds a venv with torch from the local index);
+client and server import, serve and answer (about a minute: a copy of the
+session's torch venv, tests/helpers/venvs.py);
 beside vLLM 0.33, ray 2.60 and tritonclient, pip resolves logitserve[server] without moving their versions."""
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import CliServer
+from helpers import CliServer, copy_venv, pip_install, python_of
 
 pytestmark = pytest.mark.fresh_venv
 
@@ -59,14 +60,11 @@ print("tritonclient ok")
 """
 
 
-def test_client_and_server_work_beside_tritonclient(tmp_path):
-    env = tmp_path / "venv"
-    subprocess.run([sys.executable, "-m", "venv", str(env)], check=True)
-    pip = [str(env / "bin" / "python"), "-m", "pip", "install", "-q"]
-    subprocess.run(pip + ["torch==2.13.0"], check=True, timeout=600)
+def test_client_and_server_work_beside_tritonclient(torch_venv, tmp_path):
+    env = copy_venv(torch_venv, tmp_path / "venv")
     # one resolve, as a user adds logitserve to an environment that pins tritonclient
-    subprocess.run(pip + ["tritonclient[grpc]==2.73.0", f"{ROOT}[server]"], check=True, timeout=600)
-    python = str(env / "bin" / "python")
+    pip_install(env, "tritonclient[grpc]==2.73.0", f"{ROOT}[server]")
+    python = python_of(env)
     server = CliServer("--logprob-chunk-size", "64", python=python)
     try:
         code = ("import google.protobuf as g, tritonclient.grpc, numpy as np\n"
@@ -92,33 +90,35 @@ ECOSYSTEM = ("vllm==0.33.0", "ray[default]==2.60.0", "tritonclient[grpc]==2.73.0
 SHARED = ("torch", "protobuf", "grpcio", "transformers", "numpy")
 
 
-def _resolve(tmp_path, name: str, *requirements: str) -> dict:
-    report = tmp_path / f"{name}.json"
-    out = subprocess.run([sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed", "-q",
-                          "--report", str(report), *requirements], capture_output=True, text=True, timeout=900)
-    assert out.returncode == 0, out.stderr[-3000:]
-    return {i["metadata"]["name"].lower(): i["metadata"]["version"]
-            for i in json.loads(report.read_text())["install"]}
+def _resolve(tmp_path, **sets: tuple[str, ...]) -> dict[str, dict]:
+    """pip's resolution of each named set of requirements (the sets resolved at once, each its own process):
+    name -> {package: version}."""
+    runs = {name: subprocess.Popen([sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed", "-q",
+                                    "--report", str(tmp_path / f"{name}.json"), *reqs], stdout=subprocess.DEVNULL,
+                                   stderr=subprocess.PIPE, text=True) for name, reqs in sets.items()}
+    out = {}
+    for name, run in runs.items():
+        _, err = run.communicate(timeout=900)
+        assert run.returncode == 0, err[-3000:]
+        out[name] = {i["metadata"]["name"].lower(): i["metadata"]["version"]
+                     for i in json.loads((tmp_path / f"{name}.json").read_text())["install"]}
+    return out
 
 
 def test_server_resolves_beside_vllm_ray_and_tritonclient_without_moving_them(tmp_path):
-    alone = _resolve(tmp_path, "alone", *ECOSYSTEM)
-    both = _resolve(tmp_path, "both", *ECOSYSTEM, f"logitserve[server] @ {ROOT.as_uri()}")
+    got = _resolve(tmp_path, alone=ECOSYSTEM, both=(*ECOSYSTEM, f"logitserve[server] @ {ROOT.as_uri()}"))
+    alone, both = got["alone"], got["both"]
     assert both["logitserve"] and both["vllm"] == "0.33.0" and both["ray"] == "2.60.0"
     moved = {p: (alone.get(p), both.get(p)) for p in SHARED if alone.get(p) != both.get(p)}
     assert not moved, f"adding logitserve[server] moved the environment's own pins: {moved}"
 
 
-def test_tritonclient_added_after_the_server_leaves_a_server_or_one_line_saying_what_to_pin(tmp_path):
+def test_tritonclient_added_after_the_server_leaves_a_server_or_one_line_saying_what_to_pin(server_venv, tmp_path):
     """The common order: logitserve[server] first, tritonclient later (it moves protobuf under 7). Then serve
     either serves or says in one line which package to pin; after that pin it serves."""
-    env = tmp_path / "venv"
-    subprocess.run([sys.executable, "-m", "venv", str(env)], check=True)
-    python = str(env / "bin" / "python")
-    pip = [python, "-m", "pip", "install", "-q"]
-    subprocess.run(pip + ["torch==2.13.0"], check=True, timeout=600)
-    subprocess.run(pip + [f"{ROOT}[server]"], check=True, timeout=600)
-    subprocess.run(pip + ["tritonclient[grpc]==2.73.0"], check=True, timeout=600)
+    env = copy_venv(server_venv, tmp_path / "venv")
+    python = python_of(env)
+    pip_install(env, "tritonclient[grpc]==2.73.0")
     probe = subprocess.run([python, "-c", "from logitserve.server.cli import _broken_extras as b; print(repr(b()))"],
                            capture_output=True, text=True, timeout=120)
     assert probe.returncode == 0, probe.stderr[-2000:]
@@ -130,7 +130,7 @@ def test_tritonclient_added_after_the_server_leaves_a_server_or_one_line_saying_
         assert run.returncode == 2 and "Traceback" not in run.stderr, run.stderr[-2000:]
         assert len(run.stderr.strip().splitlines()) == len(broken) and "Pin it: pip install" in run.stderr
         pins = [line.split("Pin it: pip install ", 1)[1].strip("'") for line in broken]
-        subprocess.run(pip + pins, check=True, timeout=600)
+        pip_install(env, *pins)
     server = CliServer("--logprob-chunk-size", "64", python=python)
     try:
         out = subprocess.run([python, "-m", "logitserve.server.cli", "query", server.address, "--ids", "1 5 9"],
