@@ -1,6 +1,6 @@
 """How the scheduler runs a batch in this process, and the hook that lets small jobs run between its steps.
 
-A `BatchRun` is `(jobs, skip, between=None) -> events`. After each step the runner calls
+A `BatchRun` is `(jobs, skip, between=None, short=False) -> events`. After each step the runner calls
 `between()`; when the scheduler answers with a `Nested`, the runner hands it a runner for
 one batch run inline, at this step boundary (depth one: that batch gets no `between`), then
 goes on with its own steps. A distributed runner does the same on every rank
@@ -13,8 +13,9 @@ from typing import Callable, Iterator, Optional
 
 from logitserve.events import Event
 
-# (jobs, skip[, between]) -> the batch's events: its jobs' pieces, shared tokens and failures (a StageTime is the
-# runner's). `skip(i)`: job i is dropped from the work not yet done.
+# (jobs, skip[, between, short]) -> the batch's events: its jobs' pieces, shared tokens and failures (a StageTime is
+# the runner's). `skip(i)`: job i is dropped from the work not yet done. `short`: run it in short head steps
+# (Engine.batch_steps).
 BatchRun = Callable[..., Iterator[Event]]
 # The scheduler's batch to run now, given the runner that runs it inline between two steps.
 Nested = Callable[[BatchRun], None]
@@ -23,8 +24,9 @@ Between = Callable[[], Optional[Nested]]
 
 def engine_batch_runner(batch_steps) -> BatchRun:
     """Run a batch through an Engine's `batch_steps` in this process; a failing job fails alone."""
-    def run(jobs: list, skip: Callable[[int], bool], between: Optional[Between] = None) -> Iterator[Event]:
-        steps = batch_steps(jobs, skip)
+    def run(jobs: list, skip: Callable[[int], bool], between: Optional[Between] = None,
+            short: bool = False) -> Iterator[Event]:
+        steps = batch_steps(jobs, skip, short=short)
         try:
             for step in steps:
                 yield from step.events_and_done()

@@ -31,6 +31,10 @@ def _serve_parser(sub, formatter) -> None:
                    help="a head step holds fewer rows than --logprob-chunk-size when a plain step of that many takes "
                         "longer than MS on this device (measured at start-up: a power of two, at least 16), so a "
                         "queued small request waits about MS for the step in progress; 0 = always the chunk size")
+    p.add_argument("--short-step-ms", type=float, default=10.0, metavar="MS",
+                   help="the same target for batches that hold a large request while small ones keep coming (one ran "
+                        "between a batch's steps within the last second): their wait for the step in progress is "
+                        "about MS; batches go back to --step-target-ms when small requests stop; 0 = never shorter")
     p.add_argument("--max-seq-len", type=int, default=None, help="default: the model's max_position_embeddings")
     p.add_argument("--max-message-bytes", type=int, default=4 << 20, help="every response message stays under this")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads per rank")
@@ -318,7 +322,8 @@ def _server_config(args, head_limits):
     engine = EngineConfig(chunk_size=args.logprob_chunk_size, batching=Batching(args.batching),
                           max_pack_tokens=args.max_batch_tokens, min_shared_prefix=args.min_shared_prefix,
                           pp_microbatch_tokens=args.pp_microbatch_tokens,
-                          step_target_s=args.step_target_ms / 1e3 if args.step_target_ms > 0 else None)
+                          step_target_s=args.step_target_ms / 1e3 if args.step_target_ms > 0 else None,
+                          short_step_target_s=args.short_step_ms / 1e3 if args.short_step_ms > 0 else None)
     http = HttpLimits(args.http_max_connections, args.http_max_connections_per_client, args.http_header_timeout_s,
                       args.http_body_timeout_s, args.http_keepalive_s, args.http_max_requests_per_connection,
                       send_timeout_s=args.http_send_timeout_s)

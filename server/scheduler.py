@@ -20,7 +20,10 @@
 - Small jobs do not wait out a long batch: once a batch has run `interject_after_s`, at each of its steps the
   queued jobs of at most `interject_tokens` work tokens (up to that many in all) run as a batch of their own
   before its next step (server.batch_runner). A heavy job's head steps are cut to about the work
-  of a plain one's (logitserve.cost.head_chunk_rows), so the wait is about one step.
+  of a plain one's (logitserve.cost.head_chunk_rows), so the wait is about one step. While small jobs keep
+  coming (one ran between a batch's steps in the last `short_steps_s`), a batch holding a larger job runs in
+  short head steps (Engine.short_step_rows, --short-step-ms), so the step they wait for is shorter too; with
+  none for that long, batches go back to full steps and their throughput.
 - Cancellation: a cancelled or timed-out job is skipped if queued and stopped at its next piece if
   running; its pieces are dropped.
 """
@@ -62,6 +65,8 @@ class SchedulerConfig:
     interject_after_s: float = 0.02      # a batch running this long runs queued small jobs between its steps
                                          # (--interject-after-ms; 0: never)
     interject_tokens: int = 1024         # small: at most this many work tokens; at most this many at a time
+    short_steps_s: float = 1.0           # batches with a larger job run in short steps this long after a small job
+                                         # last ran between a batch's steps (0: never)
 
     def __post_init__(self):
         if self.max_batch_tokens < 1 or self.max_queued_tokens < 1 or self.max_buffered_bytes < 1:
@@ -104,6 +109,7 @@ class Scheduler:
         self._budget = HeldBytes(config.memory_budget_bytes, config.client_budget_bytes)   # bytes requests hold
         self._stopping = False
         self._depth = 0              # batches running: 2 while one runs nested between another's steps
+        self._small_between = float("-inf")   # when small jobs last ran between a batch's steps
         self.batches_run = 0
         self._thread = threading.Thread(target=self._loop, name="logitserve-compute", daemon=True)
         self._thread.start()
@@ -305,6 +311,7 @@ class Scheduler:
                 small = self._queues.take_small(c.interject_tokens)
             if not small:
                 return None
+            self._small_between = time.monotonic()
 
             def nested(run_batch: BatchRun) -> None:
                 try:
@@ -315,6 +322,13 @@ class Scheduler:
                         self._release_work(small)
             return nested
         return between
+
+    def _short(self, batch: list[Ticket], live: list[bool], now: float) -> bool:
+        """Whether this batch runs in short head steps: small jobs ran between a batch's steps lately, and it holds
+        a job larger than those (a batch of small jobs alone is over soon anyway)."""
+        c = self.config
+        return now - self._small_between < c.short_steps_s and any(
+            ok and t.work > c.interject_tokens for t, ok in zip(batch, live))
 
     def _run(self, batch: list[Ticket], nested_in: Optional[BatchRun] = None) -> None:
         """Run a batch; `nested_in`: the runner of a batch nested between another's steps (it always starts, so
@@ -331,7 +345,8 @@ class Scheduler:
         if nested_in is not None:
             events = nested_in([t.job for t in batch], skip)
         elif self.config.interject_after_s > 0:
-            events = self._run_batch([t.job for t in batch], skip, self._between(started))
+            events = self._run_batch([t.job for t in batch], skip, self._between(started),
+                                     short=self._short(batch, live, started))
         else:
             events = self._run_batch([t.job for t in batch], skip)
         self._depth += 1

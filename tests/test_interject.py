@@ -22,7 +22,7 @@ from logitserve.spec import Job, LogprobsOpts, OutputKind, TopKOpts
 
 def _steps_of(n_steps: dict[int, int], log: list):
     """A fake Engine.batch_steps (same signature): job j takes n_steps[len(its sequence)] steps of 10 ms each."""
-    def batch_steps(jobs: list[Job], skip=None, isolate: bool = True):
+    def batch_steps(jobs: list[Job], skip=None, isolate: bool = True, short: bool = False):
         for j, job in enumerate(jobs):
             for k in range(n_steps[len(job.sequences[0])]):
                 if skip is not None and skip(j):

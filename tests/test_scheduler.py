@@ -189,7 +189,7 @@ def test_cancelled_queued_job_frees_its_queue_tokens_at_once():
 
     gate = threading.Event()
 
-    def run_batch(jobs, skip, between=None):
+    def run_batch(jobs, skip, between=None, short=False):
         for i, _ in enumerate(jobs):
             gate.wait(30)
             yield JobPiece(i, Piece(OutputKind.TOKEN_LOGPROBS, 0, (1,), (0,), torch.zeros(1)))

@@ -32,14 +32,14 @@ class Recorder:
         if not hold:
             self.release.set()
 
-    def run(self, jobs, skip, between=None):
+    def run(self, jobs, skip, between=None, short=False):
         self.batches.append(list(jobs))
         self.release.wait(30)
         yield from ()
 
 
 def _scheduler(recorder: Recorder, **config) -> Scheduler:
-    assert_same_signature(recorder.run, engine_batch_runner(lambda jobs, skip: iter(())))
+    assert_same_signature(recorder.run, engine_batch_runner(lambda jobs, skip, short=False: iter(())))
     return Scheduler(recorder.run, SchedulerConfig(**config), shares=lambda job: shareables(job, MIN_SHARED, VOCAB))
 
 

@@ -37,12 +37,14 @@ class BatchRun:
     """A batch in progress: its jobs, which were skipped or failed, and whether failures stay with their job.
 
     `reports`: whether this rank emits the events every rank computes alike (a job's failure, shared tokens):
-    one rank does, so a gathered step holds each once.
+    one rank does, so a gathered step holds each once. `step_rows`: rows of a plain head step in this batch
+    (Engine.step_rows, or its short_step_rows; a heavier job's steps take fewer, logitserve.cost).
     """
 
     def __init__(self, jobs: list[Job], skip: Callable[[int], bool], isolate: bool, across_ranks: bool = False,
-                 reports: bool = True):
+                 reports: bool = True, step_rows: int = 512):
         self.jobs = jobs
+        self.step_rows = step_rows
         self.skip = skip
         self.isolate = isolate
         self.across_ranks = across_ranks

@@ -91,7 +91,7 @@ class DistributedRunner:
         return [e for rank_events in out for e in rank_events]
 
     def run_batch(self, jobs: list[Job], skip: Callable[[int], bool] = lambda i: False,
-                  between=None) -> Iterator[Event]:
+                  between=None, short: bool = False) -> Iterator[Event]:
         """One broadcast for the batch; every rank's events as the ranks' steps are gathered.
 
         `skip` is read after every step and shared with the other ranks (_share_dropped), so all of them
@@ -100,12 +100,12 @@ class DistributedRunner:
         on their own group, logitserve.pipeline).
         """
         with self._lock:
-            yield from self._batch(jobs, skip, between)
+            yield from self._batch(jobs, skip, between, short)
 
-    def _batch(self, jobs: list[Job], skip: Callable[[int], bool], between) -> Iterator[Event]:
+    def _batch(self, jobs: list[Job], skip: Callable[[int], bool], between, short: bool = False) -> Iterator[Event]:
         dropped = [bool(skip(i)) for i in range(len(jobs))]
-        self._broadcast((_JOB, (jobs, dropped)))
-        steps = self._engine.batch_steps(jobs, lambda j: dropped[j])
+        self._broadcast((_JOB, (jobs, dropped, short)))
+        steps = self._engine.batch_steps(jobs, lambda j: dropped[j], short=short)
         # A job's own error (every rank raises it alike) becomes its JobFailed and the ranks go on in step;
         # what escapes a step (a failed collective) leaves them out of step: fatal.
         try:
@@ -134,7 +134,7 @@ class DistributedRunner:
         """Run the scheduler's nested batch on every rank now (the ranks were told); if it ran none, release them."""
         ran = []
 
-        def run(jobs: list[Job], skip: Callable[[int], bool], between=None) -> Iterator[Event]:
+        def run(jobs: list[Job], skip: Callable[[int], bool], between=None, short: bool = False) -> Iterator[Event]:
             ran.append(True)
             return self._batch(jobs, skip, None)
         try:
@@ -181,9 +181,9 @@ def follow(engine: Engine, ctx: ParallelContext) -> None:
             _follow_batch(engine, ctx, *payload)
 
 
-def _follow_batch(engine: Engine, ctx: ParallelContext, jobs: list[Job], dropped: list[bool]) -> None:
+def _follow_batch(engine: Engine, ctx: ParallelContext, jobs: list[Job], dropped: list[bool], short: bool) -> None:
     """A rank's share of one batch, and of a batch nested between its steps when rank 0 says so."""
-    for step in engine.batch_steps(jobs, lambda j: dropped[j]):
+    for step in engine.batch_steps(jobs, lambda j: dropped[j], short=short):
         if _others_emit(jobs, step, ctx):
             dist.gather_object(list(step.events), None, dst=0, group=ctx.control_group)
         if _share_dropped(dropped, ctx):

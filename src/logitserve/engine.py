@@ -66,6 +66,9 @@ class EngineConfig:
     pp_microbatch_tokens: int = 512         # --pp: tokens per micro-batch (pack) at most (--pp-microbatch-tokens)
     step_target_s: Optional[float] = None   # head steps of fewer rows than chunk_size when a plain step of that many
                                             # takes longer here (measured at start-up); None: chunk_size (--step-target-ms)
+    short_step_target_s: Optional[float] = None   # the same for a batch run in short steps (Engine.batch_steps(short=
+                                            # True): small jobs keep arriving beside it); None: step_target_s's rows
+                                            # (--short-step-ms)
 
     def __post_init__(self):
         if self.chunk_size < 1 or self.max_pack_tokens < 1 or self.min_shared_prefix < 0:
@@ -97,29 +100,34 @@ class Engine:
         self.head_shard = HeadShard(self.shard, pad_from, emits_replicated=self.parallel.tp_rank == 0)
         self.head = Head(loaded, self.head_shard, config.chunk_size, mm_fp32)
         self.hidden_size = int(loaded.head.in_features)      # H: the width of HIDDEN_STATES
-        self.step_rows = self._step_rows(config)   # rows of a plain head step (a heavier job's steps take fewer)
+        self.step_rows = self._step_rows(config.step_target_s)   # rows of a plain head step (heavier jobs: fewer)
+        # a batch run in short steps: rows of a plain head step then (at most step_rows)
+        self.short_step_rows = self.step_rows if config.short_step_target_s is None else \
+            min(self.step_rows, self._step_rows(config.short_step_target_s))
         self._batches = 0                          # --pp: batches running (2: one nested in another's steps)
         self.act_dtype = loaded.dtype            # activations between pipeline stages
         self.stage_input = loaded.stage_input
         self.batching = self._batching(config)
         self.pack_tokens = self._pack_tokens(config) if self.batching is Batching.PACKED else 0   # 0: exact
-        self.pp_first_steps = self._pp_first_steps()   # --pp: head steps in a micro-batch's first step
+        # --pp: head steps in a micro-batch's first step, by the rows of its head steps
+        self.pp_first_steps = {rows: self._pp_first_steps(rows) for rows in sorted({self.step_rows, self.short_step_rows})}
 
-    def _step_rows(self, config: EngineConfig) -> int:
-        """config.chunk_size, or the rows a plain head step computes within config.step_target_s on this device
-        (a power of two, measured once now; the smallest over the ranks, so that every rank plans the same steps)."""
-        if config.step_target_s is None:
+    def _step_rows(self, target_s: Optional[float]) -> int:
+        """config.chunk_size, or the rows a plain head step computes within target_s on this device (a power of two,
+        measured once now; the smallest over the ranks, so that every rank plans the same steps)."""
+        config = self.config
+        if target_s is None:
             return config.chunk_size
-        rows = self.head.rows_within(config.step_target_s, config.chunk_size, self.hidden_size)
+        rows = self.head.rows_within(target_s, config.chunk_size, self.hidden_size)
         if self.parallel.control_group is not None:
             agreed = torch.tensor([rows], dtype=torch.int64)
             torch.distributed.all_reduce(agreed, op=torch.distributed.ReduceOp.MIN, group=self.parallel.control_group)
             rows = int(agreed.item())
         log.info("head steps of %d rows at most (a plain step of that many within %.0f ms here; chunk size %d)", rows,
-                 config.step_target_s * 1e3, config.chunk_size)
+                 target_s * 1e3, config.chunk_size)
         return rows
 
-    def _pp_first_steps(self) -> int:
+    def _pp_first_steps(self, rows: int) -> int:
         """--pp: how many head steps a micro-batch's first step holds, so that the busiest stage's body of the
         micro-batch `lead` ahead overlaps them (its body parameters x the micro-batch's tokens, over a head step's
         rows x V x H: the largest over the stages, so every rank plans alike); its later steps hold one each."""
@@ -127,7 +135,7 @@ class Engine:
             return 1
         embedding = {id(p) for p in self.loaded.body.get_input_embeddings().parameters()}
         body = sum(p.numel() for p in self.loaded.body.parameters() if id(p) not in embedding)
-        step = max(1, self.step_rows * (self.shard.vocab_size // self.parallel.tp) * self.hidden_size)   # V/tp x H
+        step = max(1, rows * (self.shard.vocab_size // self.parallel.tp) * self.hidden_size)   # rows x V/tp x H
         steps = torch.tensor([-(-body * self.pack_tokens // step)], dtype=torch.int64)
         torch.distributed.all_reduce(steps, op=torch.distributed.ReduceOp.MAX, group=self.parallel.control_group)
         log.info("--pp: a micro-batch's first step holds %d head steps (the stages' bodies overlap them)",
@@ -200,8 +208,8 @@ class Engine:
             yield from (e.piece for e in step.events if isinstance(e, JobPiece))
 
     def batch_steps(self, jobs: list[Job], skip: Optional[Callable[[int], bool]] = None,
-                    isolate: bool = True) -> Iterator[Step]:
-        """This rank's Steps for a whole batch.
+                    isolate: bool = True, short: bool = False) -> Iterator[Step]:
+        """This rank's Steps for a whole batch; `short`: in head steps of short_step_rows (every rank alike).
 
         `skip(j)` drops job j (cancelled) from the work not yet done. With `isolate`, a job
         whose work fails gets its JobFailed in one Step and is dropped; the others go on.
@@ -212,7 +220,7 @@ class Engine:
         """
         p = self.parallel
         run = BatchRun(jobs, skip or (lambda j: False), isolate, across_ranks=p.config.world_size > 1,
-                       reports=p.reports)
+                       reports=p.reports, step_rows=self.short_step_rows if short else self.step_rows)
         units = plan_units(jobs, run.live, self.batching is Batching.PACKED, self.pack_tokens,
                            self.config.min_shared_prefix if self.batching is Batching.PACKED else 0,
                            self.shard.vocab_size)
@@ -257,7 +265,7 @@ class Engine:
             return
         if self.batching is Batching.PACKED:
             h = self.unit_body(run.jobs, body)                                                   # [N, H]
-            yield from self._after_body(body, len(h))
+            yield from self._after_body(run, body, len(h))
             yield from self.head_steps(run, body, h, pack_rows(body), ending)
             return
         m = body[0]                                     # exact: one sequence, spread over the CP ranks
@@ -267,13 +275,13 @@ class Engine:
         positions = positions.to(self.device)
         local_ids = F.pad(ids, (0, max(0, int(positions.max()) + 1 - len(ids))))[positions]    # [n_local]
         h = self.hidden(local_ids, positions)                                                  # [n_local, H]
-        yield from self._after_body(body, len(ids))
+        yield from self._after_body(run, body, len(ids))
         yield from self.head_steps(run, body, h, [RowRun(0, r.local, r.start, r.length) for r in runs], ending)
 
-    def _after_body(self, body: list[Member], tokens: int) -> Iterator[Step]:
+    def _after_body(self, run: BatchRun, body: list[Member], tokens: int) -> Iterator[Step]:
         """A step boundary between a long body (more tokens than a head step's rows) and its head, so that the
         scheduler may run queued small jobs there; the same on every rank (`tokens`: the whole body's)."""
-        if tokens > self.step_rows:
+        if tokens > run.step_rows:
             yield Step(tuple(dict.fromkeys(m.job for m in body if m.job >= 0)))
 
     # -- the head of a unit ------------------------------------------------------
@@ -297,7 +305,7 @@ class Engine:
         V = self.shard.vocab_size
         if self.batching is Batching.EXACT:
             m = members[0]
-            rows = head_chunk_rows(jobs[m.job], self.step_rows, V)     # a function of the job alone
+            rows = head_chunk_rows(jobs[m.job], run.step_rows, V)      # a function of the job and the batch
             chunks = list(grid_chunks(m.job, jobs[m.job], m, ids[(m.job, m.sequence)], runs, rows, V))
             for k, chunk in enumerate(chunks):
                 step = Step((m.job,)) if chunk.rows is None else self.head.chunk_step(run, h[chunk.rows], chunk.segs,
@@ -307,7 +315,7 @@ class Engine:
         index, picked = gathered_rows(jobs, body, runs, V)
         if index is not None:
             h = h.index_select(0, index.to(h.device))                                          # [M, H]
-        rows = self._packed_head_rows(jobs, members)
+        rows = self._packed_head_rows(run, members)
         ends = rows_end(picked, ending)                     # job -> the end of its last rows among the selected
         for chunk in gathered_chunks(jobs, picked, ids, rows, run.live):
             step = self.head.chunk_step(run, h[chunk.rows], chunk.segs, cands)
@@ -325,11 +333,11 @@ class Engine:
         if self.loaded.kind is not ModelKind.CAUSAL_LM:
             return opening + 1
         total = sum(hi - lo for lo, hi in (jobs[m.job].head_rows(m.sequence, V) for m in members))
-        return opening + -(-total // self._packed_head_rows(jobs, members))
+        return opening + -(-total // self._packed_head_rows(run, members))
 
-    def _packed_head_rows(self, jobs: list[Job], members: list[Member]) -> int:
+    def _packed_head_rows(self, run: BatchRun, members: list[Member]) -> int:
         """Rows of a packed unit's head steps: the fewest any of its jobs takes (a heavier job's rows are fewer)."""
-        return min(head_chunk_rows(jobs[m.job], self.step_rows, self.shard.vocab_size) for m in members)
+        return min(head_chunk_rows(run.jobs[m.job], run.step_rows, self.shard.vocab_size) for m in members)
 
     def _opening(self, run: BatchRun, body: list[Member], ids: dict) -> Optional[Step]:
         """A unit's first step when it has one: tokens its sequences share (from the reporting rank) and the empty

@@ -113,7 +113,7 @@ def install_stage(body: nn.Module, layers: tuple[int, int], stage: int, pp: int,
 
 def pipeline_steps(engine, run, units: list[Pack], nested: bool = False) -> Iterator[Step]:
     """This rank's Steps for a batch under PP, the same count on every rank: for each micro-batch (unit) a first
-    step of Engine.pp_first_steps head steps (the earlier stages' bodies of the micro-batches ahead overlap them),
+    step of Engine.pp_first_steps[rows] head steps (the earlier stages' bodies of the micro-batches ahead overlap them),
     then one step per head step left (Engine.head_step_bound, planned from the jobs alone; padded with empty ones
     when jobs drop), between which a small batch may run. The last stage's head events are
     gathered to rank 0; every stage's StageTime comes with the last. `engine`: the Engine. `nested`: a batch run
@@ -122,7 +122,7 @@ def pipeline_steps(engine, run, units: list[Pack], nested: bool = False) -> Iter
     stage, pp = ctx.pp_rank, ctx.pp
     lead = pp - 1 - stage
     flow = _StageFlow(engine, run, units, stage, ctx.nested_p2p_group if nested else None)
-    first = engine.pp_first_steps    # head steps in a micro-batch's first step: the stages' bodies overlap them
+    first = engine.pp_first_steps[run.step_rows]   # head steps in a micro-batch's first step: the bodies overlap them
     last = {m.job: k for k, unit in enumerate(units) for m in unit.members if m.job >= 0}   # job -> its last unit
     for i in range(min(lead, len(units))):
         flow.advance(i)
