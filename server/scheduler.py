@@ -330,6 +330,16 @@ class Scheduler:
         return now - self._small_between < c.short_steps_s and any(
             ok and t.work > c.interject_tokens for t, ok in zip(batch, live))
 
+    def _events(self, batch: list[Ticket], live: list[bool], started: float,
+                nested_in: Optional[BatchRun]) -> Iterator[Event]:
+        """The batch's events from its runner: nested in another's steps, with `between` and short steps, or plain."""
+        jobs, skip = [t.job for t in batch], lambda i: not live[i] or batch[i].cancelled.is_set()
+        if nested_in is not None:
+            return nested_in(jobs, skip)
+        if self.config.interject_after_s > 0:
+            return self._run_batch(jobs, skip, self._between(started), short=self._short(batch, live, started))
+        return self._run_batch(jobs, skip)
+
     def _run(self, batch: list[Ticket], nested_in: Optional[BatchRun] = None) -> None:
         """Run a batch; `nested_in`: the runner of a batch nested between another's steps (it always starts, so
         ranks that were told of it run it in step, and it gets no nested batch of its own)."""
@@ -341,16 +351,10 @@ class Scheduler:
         waits = [started - t.admitted for t, ok in zip(batch, live) if ok]
         if self._metrics is not None:
             self._metrics.batch_started(waits, sum(t.tokens for t, ok in zip(batch, live) if ok))
-        skip = lambda i: not live[i] or batch[i].cancelled.is_set()    # noqa: E731
-        if nested_in is not None:
-            events = nested_in([t.job for t in batch], skip)
-        elif self.config.interject_after_s > 0:
-            events = self._run_batch([t.job for t in batch], skip, self._between(started),
-                                     short=self._short(batch, live, started))
-        else:
-            events = self._run_batch([t.job for t in batch], skip)
+        events: Iterator[Event] = iter(())
         self._depth += 1
         try:
+            events = self._events(batch, live, started, nested_in)
             for event in events:
                 if isinstance(event, StageTime):
                     continue
@@ -359,12 +363,13 @@ class Scheduler:
                         break
                     continue
                 self._hand(batch, live, event.job, _item(event))
-        except BaseException as e:   # the whole batch failed (a lost rank): every job hears why
+        except BaseException as e:   # the whole batch failed (a lost rank, a runner that raised): every job hears why
             for i in range(len(batch)):
                 if live[i]:
                     self._hand(batch, live, i, Failed(e))
         finally:
-            events.close()
+            if hasattr(events, "close"):   # a generator's: its work stops here (a plain iterator has none)
+                events.close()
             self._depth -= 1
             if self._metrics is not None:
                 self._metrics.batch_done(waits, time.monotonic() - started)

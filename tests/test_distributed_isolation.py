@@ -7,22 +7,20 @@ back equal to one-process float64 transformers, and the server's runner must not
 from __future__ import annotations
 
 import os
-import socket
 
 import numpy as np
 import pytest
 import torch
-import torch.multiprocessing as mp
 
-from helpers import Reference, build_model, ref_token_logprobs
+from helpers import Reference, build_model, ref_token_logprobs, run_ranks
 
 pytestmark = pytest.mark.multi_process
 
 V = 1003
 
 
-def _rank(rank: int, world: int, tp: int, cp: int, port: int, directory: str, seqs, out) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+def _rank(rank: int, port: int, tp: int, cp: int, directory: str, seqs, out) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(tp * cp))
     torch.set_num_threads(1)
     from logitserve.distributed import DistributedRunner, follow
     from logitserve.engine import EngineConfig
@@ -83,18 +81,7 @@ def test_a_job_every_rank_fails_on_fails_alone(model, tp, cp):
     directory, ref = model
     rng = np.random.default_rng(3)
     seqs = [rng.integers(0, V, n).tolist() for n in (5, 40)]
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    procs = [ctx.Process(target=_rank, args=(r, tp * cp, tp, cp, port, str(directory), seqs, out)) for r in range(tp * cp)]
-    for p in procs:
-        p.start()
-    result = out.get(timeout=240)
-    for p in procs:
-        p.join(60)
-    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+    result = run_ranks(_rank, tp * cp, tp, cp, str(directory), seqs, timeout=240)
     assert result["failed"] is None
     assert result["errors"] and {i for i, _ in result["errors"]} == {0}, result["errors"]
     assert result["errors"][0][1] == "TypeError"

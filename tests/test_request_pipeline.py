@@ -44,7 +44,7 @@ class FakeEngine:
     def __init__(self):
         self.gate: threading.Event | None = None
 
-    def __call__(self, jobs: list[Job], skip, between=None):
+    def __call__(self, jobs: list[Job], skip, between=None, short=False):
         for j, job in enumerate(jobs):
             yield SharedTokens(j, 2)
             while self.gate is not None and not self.gate.wait(0.01):

@@ -222,6 +222,39 @@ def test_cancelled_queued_job_frees_its_queue_tokens_at_once():
         scheduler.shutdown()
 
 
+@pytest.mark.unit
+def test_a_runner_that_raises_when_called_fails_its_batch_and_the_next_batch_runs():
+    """A runner that raises before yielding anything (a fake with the wrong signature once did: TypeError): the
+    batch's request gets the error and the compute thread goes on (it once died there and every request hung)."""
+    from logitserve.server.batch_runner import engine_batch_runner
+    from logitserve.server.scheduler import Scheduler
+    from logitserve.spec import Job, LogprobsOpts
+    from helpers import assert_same_signature
+
+    calls = []
+
+    def run_batch(jobs, skip, between=None, short=False):
+        calls.append(len(jobs))
+        if len(calls) == 1:
+            raise TypeError("the runner failed before its first step")
+        return iter(())
+
+    assert_same_signature(run_batch, engine_batch_runner(lambda jobs, skip, short=False: iter(())))
+    scheduler = Scheduler(run_batch, SchedulerConfig(batch_delay_s=0))
+    job = Job(sequences=(np.zeros(4, np.int32),), logprobs=LogprobsOpts())
+
+    async def drain():
+        return [p async for p in scheduler.stream(job)]
+
+    try:
+        with pytest.raises(TypeError, match="before its first step"):
+            asyncio.run(asyncio.wait_for(drain(), 10))
+        assert asyncio.run(asyncio.wait_for(drain(), 10)) == []
+        assert calls == [1, 1]
+    finally:
+        scheduler.shutdown()
+
+
 def _stalled_full_logits(address: str):
     """A stream that asks for 32 MB of full logits and reads nothing (for now): (channel, response iterator)."""
     big = pb.ForwardRequest(request_id="big")

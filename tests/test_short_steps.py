@@ -5,15 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import os
-import socket
 import time
 
 import numpy as np
 import pytest
 import torch
-import torch.multiprocessing as mp
 
-from helpers import Reference, assert_same_signature, build_model, ref_token_logprobs
+from helpers import Reference, assert_same_signature, build_model, ref_token_logprobs, run_ranks
 from logitserve.server.batch_runner import engine_batch_runner
 from logitserve.server.scheduler import Scheduler, SchedulerConfig
 from logitserve.spec import Job, LogprobsOpts
@@ -116,8 +114,8 @@ def test_a_batch_in_short_steps_takes_more_steps_and_answers_the_same(model):
             np.testing.assert_allclose(lp[finite], want[finite], atol=1e-5)
 
 
-def _rank(rank: int, world: int, tp: int, pp: int, port: int, directory: str, seqs, out) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+def _rank(rank: int, port: int, tp: int, pp: int, directory: str, seqs, out) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(tp * pp))
     torch.set_num_threads(1)
     import torch.distributed as dist
 
@@ -154,19 +152,7 @@ def test_short_steps_keep_the_ranks_in_step_and_exact(model, tp, pp):
     directory, ref = model
     rng = np.random.default_rng(4)
     seqs = [rng.integers(0, V, n).tolist() for n in (300, 90)]
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    procs = [ctx.Process(target=_rank, args=(r, tp * pp, tp, pp, port, str(directory), seqs, out))
-             for r in range(tp * pp)]
-    for p in procs:
-        p.start()
-    result = out.get(timeout=120)
-    for p in procs:
-        p.join(60)
-    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+    result = run_ranks(_rank, tp * pp, tp, pp, str(directory), seqs)
     assert result["failed"] is None and result["rows"] == (64, 16)
     for name in ("short", "full", "short again"):
         for seq, lp in zip(seqs, _assemble(result[name], len(seqs))):

@@ -3,13 +3,13 @@ from __future__ import annotations
 
 import math
 import os
-import socket
 import sys
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from helpers import run_ranks
 
 pytestmark = pytest.mark.multi_process
 
@@ -48,19 +48,8 @@ def _rank(rank: int, port: int, out) -> None:
 
 
 def test_vocab_parallel_reductions_match_full_tensor_under_tp2():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    procs = [ctx.Process(target=_rank, args=(r, port, out)) for r in range(TP)]
-    for p in procs:
-        p.start()
     got = {k: (tuple(map(torch.from_numpy, x)) if isinstance(x, tuple) else torch.from_numpy(x))
-           for k, x in out.get(timeout=120).items()}
-    for p in procs:
-        p.join(60)
-        assert p.exitcode == 0
+           for k, x in run_ranks(_rank, TP).items()}
     z = _full().double()
     ids = torch.randint(0, V, (N, 5), generator=torch.Generator().manual_seed(1))
     torch.testing.assert_close(got["max"].double(), z.max(-1).values, atol=1e-6, rtol=0)
