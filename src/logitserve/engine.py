@@ -100,19 +100,19 @@ class Engine:
         self.head_shard = HeadShard(self.shard, pad_from, emits_replicated=self.parallel.tp_rank == 0)
         self.head = Head(loaded, self.head_shard, config.chunk_size, mm_fp32)
         self.hidden_size = int(loaded.head.in_features)      # H: the width of HIDDEN_STATES
-        self.step_rows = self._step_rows(config.step_target_s)   # rows of a plain head step (heavier jobs: fewer)
+        self.step_rows = self._step_rows(config.step_target_s, "head steps")   # a plain head step's (heavier: fewer)
         # a batch run in short steps: rows of a plain head step then (at most step_rows)
         self.short_step_rows = self.step_rows if config.short_step_target_s is None else \
-            min(self.step_rows, self._step_rows(config.short_step_target_s))
+            min(self.step_rows, self._step_rows(config.short_step_target_s, "short head steps (small requests coming)"))
         self._batches = 0                          # --pp: batches running (2: one nested in another's steps)
         self.act_dtype = loaded.dtype            # activations between pipeline stages
         self.stage_input = loaded.stage_input
         self.batching = self._batching(config)
         self.pack_tokens = self._pack_tokens(config) if self.batching is Batching.PACKED else 0   # 0: exact
         # --pp: head steps in a micro-batch's first step, by the rows of its head steps
-        self.pp_first_steps = {rows: self._pp_first_steps(rows) for rows in sorted({self.step_rows, self.short_step_rows})}
+        self.pp_first_steps = self._pp_first_steps(tuple(sorted({self.step_rows, self.short_step_rows})))
 
-    def _step_rows(self, target_s: Optional[float]) -> int:
+    def _step_rows(self, target_s: Optional[float], what: str) -> int:
         """config.chunk_size, or the rows a plain head step computes within target_s on this device (a power of two,
         measured once now; the smallest over the ranks, so that every rank plans the same steps)."""
         config = self.config
@@ -123,24 +123,27 @@ class Engine:
             agreed = torch.tensor([rows], dtype=torch.int64)
             torch.distributed.all_reduce(agreed, op=torch.distributed.ReduceOp.MIN, group=self.parallel.control_group)
             rows = int(agreed.item())
-        log.info("head steps of %d rows at most (a plain step of that many within %.0f ms here; chunk size %d)", rows,
+        log.info("%s of %d rows at most (a plain step of that many within %.0f ms here; chunk size %d)", what, rows,
                  target_s * 1e3, config.chunk_size)
         return rows
 
-    def _pp_first_steps(self, rows: int) -> int:
-        """--pp: how many head steps a micro-batch's first step holds, so that the busiest stage's body of the
-        micro-batch `lead` ahead overlaps them (its body parameters x the micro-batch's tokens, over a head step's
-        rows x V x H: the largest over the stages, so every rank plans alike); its later steps hold one each."""
+    def _pp_first_steps(self, rows: tuple[int, ...]) -> dict[int, int]:
+        """--pp: for each head step size in `rows`, how many head steps a micro-batch's first step holds, so that the
+        busiest stage's body of the micro-batch `lead` ahead overlaps them (its body parameters x the micro-batch's
+        tokens, over a head step's rows x V x H; the largest body over the stages, so every rank plans alike); its
+        later steps hold one each."""
         if self.parallel.pp == 1:
-            return 1
+            return dict.fromkeys(rows, 1)
         embedding = {id(p) for p in self.loaded.body.get_input_embeddings().parameters()}
-        body = sum(p.numel() for p in self.loaded.body.parameters() if id(p) not in embedding)
-        step = max(1, rows * (self.shard.vocab_size // self.parallel.tp) * self.hidden_size)   # rows x V/tp x H
-        steps = torch.tensor([-(-body * self.pack_tokens // step)], dtype=torch.int64)
-        torch.distributed.all_reduce(steps, op=torch.distributed.ReduceOp.MAX, group=self.parallel.control_group)
-        log.info("--pp: a micro-batch's first step holds %d head steps (the stages' bodies overlap them)",
-                 int(steps.item()))
-        return max(1, int(steps.item()))
+        body = torch.tensor([sum(p.numel() for p in self.loaded.body.parameters() if id(p) not in embedding)],
+                            dtype=torch.int64)
+        torch.distributed.all_reduce(body, op=torch.distributed.ReduceOp.MAX, group=self.parallel.control_group)
+        work = int(body.item()) * self.pack_tokens
+        steps = {r: max(1, -(-work // max(1, r * (self.shard.vocab_size // self.parallel.tp) * self.hidden_size)))
+                 for r in rows}                                                    # r x V/tp x H per head step
+        log.info("--pp: a micro-batch's first step holds %s head steps (the stages' bodies overlap them)",
+                 " / ".join(f"{n} of {r} rows" for r, n in steps.items()))
+        return steps
 
     def _batching(self, config: EngineConfig) -> Batching:
         """Packing needs each sequence whole on one rank: under CP a unit is one sequence. Under PP the
