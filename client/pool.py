@@ -14,7 +14,7 @@ from .aio import Resendable, resending
 from .api import ModelInfo, OutputsMixin
 from .errors import LogitServeError
 from .replica import Replica, ReplicaState, dns_target, resolve
-from .routing import DEFAULT_PREFIX_TOKENS, Routing, choose, group_key, plan, prefix_key
+from .routing import DEFAULT_PREFIX_TOKENS, Affinity, Routing, group_key, plan, prefix_key
 from .scatter import check_per_sequence, cut, merge
 from .wire import Wanted
 
@@ -44,6 +44,7 @@ class AsyncTeacherPool(OutputsMixin):
         self._literal = [e for e in entries if dns_target(e) is None]
         self._options = dict(client_options, retries=0, default_timeout_s=default_timeout_s)
         self._rule, self._retries = routing, retries
+        self._affinity = Affinity(routing)
         self._ready_timeout, self._resolve_every = ready_timeout_s, resolve_every_s
         self._default_timeout = default_timeout_s
         self._replicas: dict[str, Replica] = {}
@@ -214,7 +215,8 @@ class AsyncTeacherPool(OutputsMixin):
         prefix = self._prefix or DEFAULT_PREFIX_TOKENS
         keys = ([group_key(group)] * len(seqs) if group is not None else
                 [prefix_key(s, prefix, self._rule.chars_per_token) for s in seqs])
-        parts = plan(keys, {a: r.in_flight for a, r in ok.items()}, self._rule) if seqs else {min(ok): []}
+        parts = (plan(keys, {a: r.in_flight for a, r in ok.items()}, self._rule, self._affinity) if seqs
+                 else {min(ok): []})
         sends = []
         for address, index in parts.items():
             ok[address].in_flight += len(index)       # now, so that the next request's plan sees it
@@ -235,7 +237,7 @@ class AsyncTeacherPool(OutputsMixin):
         async def attempt(n: int):
             if n > 0:
                 ok = await self._routable(avoid=tried)
-                part.move(ok[choose(part.key, {a: r.in_flight for a, r in ok.items()}, self._rule)])
+                part.move(ok[self._affinity.choose(part.key, {a: r.in_flight for a, r in ok.items()})])
             tried.append(part.replica.address)
             part.replica.sent += len(part.seqs)
             try:

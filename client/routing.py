@@ -1,7 +1,10 @@
-"""Which replica serves a sequence: rendezvous hashing of its group's key, least-in-flight past a load gap."""
+"""Which replica serves a sequence: its group's key hashed (rendezvous) under a load bound, kept while the group lasts."""
 from __future__ import annotations
 
 import hashlib
+import math
+import time
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Mapping, Optional, Sequence, Union
 
@@ -27,6 +30,15 @@ class Routing:
     # cache-aware defaults (64, 1.5), so affinity holds through the imbalance that hashing whole groups makes.
     balance_abs: int = 64
     balance_rel: float = 1.5
+    # A key new to the pool goes to the first replica of its rendezvous ranking whose in-flight sequences are
+    # under ceil(balance_factor * (all in flight + 1) / replicas): consistent hashing with bounded loads (as
+    # Envoy's and HAProxy's hash balance factor), so that a burst of a few large groups lands evenly rather than
+    # where the hash falls (4 groups on 2 replicas: 3 + 1 more often than not). None: the hashed replica.
+    balance_factor: Optional[float] = 1.25
+    # A key keeps its replica for sticky_s after its last sequence was routed, so a group's later sequences
+    # follow its first ones however the loads moved meanwhile (at most max_keys keys are kept, oldest dropped).
+    sticky_s: float = 60.0
+    max_keys: int = 65536
 
     def __post_init__(self):
         if self.prefix_tokens is not None and self.prefix_tokens < 1:
@@ -34,6 +46,9 @@ class Routing:
         if self.chars_per_token < 1 or self.balance_abs < 0 or self.balance_rel < 1.0:
             raise ValueError(f"chars_per_token={self.chars_per_token} must be >= 1, balance_abs={self.balance_abs} "
                              f">= 0 and balance_rel={self.balance_rel} >= 1.0")
+        if (self.balance_factor is not None and self.balance_factor < 1.0) or self.sticky_s < 0 or self.max_keys < 1:
+            raise ValueError(f"balance_factor={self.balance_factor} must be >= 1.0 (or None), sticky_s="
+                             f"{self.sticky_s} >= 0 and max_keys={self.max_keys} >= 1")
 
 
 Key = Optional[bytes]
@@ -65,10 +80,25 @@ def _score(key: bytes, name: str) -> int:
     return int.from_bytes(hashlib.blake2b(key + b"|" + name.encode(), digest_size=8).digest(), "little")
 
 
+def ranking(key: bytes, names: Sequence[str]) -> list[str]:
+    """The names in `key`'s order of preference (highest random weight first). Deterministic across processes."""
+    return sorted(names, key=lambda n: (_score(key, n), n), reverse=True)
+
+
 def rendezvous(key: bytes, names: Sequence[str]) -> str:
     """The name that `key` hashes to (highest random weight): when a name leaves, only its keys move; when one
     joins, it takes about 1/N of every other name's keys. Deterministic across processes."""
     return max(names, key=lambda n: (_score(key, n), n))
+
+
+def bounded(key: bytes, loads: Mapping[str, int], rule: Routing) -> str:
+    """The first replica of the key's ranking under the load bound (rule.balance_factor); one always is, since
+    the least loaded is under the mean."""
+    order = ranking(key, list(loads))
+    if rule.balance_factor is None:
+        return order[0]
+    cap = math.ceil(rule.balance_factor * (sum(loads.values()) + 1) / len(loads))
+    return next((n for n in order if loads[n] < cap), order[0])
 
 
 def least_loaded(loads: Mapping[str, int]) -> str:
@@ -90,16 +120,50 @@ def choose(key: Key, loads: Mapping[str, int], rule: Routing) -> str:
     return least if overloaded(loads[hashed], loads[least], rule) else hashed
 
 
-def plan(keys: Sequence[Key], loads: Mapping[str, int], rule: Routing) -> dict[str, list[int]]:
+class Affinity:
+    """The replica each recent key was sent to. A key keeps it while it is routable and not overloaded (past both
+    bounds of `overloaded`, when this one sequence goes to the least loaded); a new key, or one whose replica
+    left, takes `bounded`'s choice, and keeps that."""
+
+    def __init__(self, rule: Routing, clock=time.monotonic):
+        self._rule, self._clock = rule, clock
+        self._table: OrderedDict[bytes, tuple[str, float]] = OrderedDict()     # key -> (replica, last routed)
+
+    def __len__(self) -> int:
+        return len(self._table)
+
+    def choose(self, key: Key, loads: Mapping[str, int]) -> str:
+        """The replica for one sequence of `key` (None: the least loaded). `loads`: as `choose`'s."""
+        least = least_loaded(loads)
+        if key is None:
+            return least
+        now = self._clock()
+        self._forget(now)
+        held = self._table.get(key)
+        name = held[0] if held is not None and held[0] in loads else bounded(key, loads, self._rule)
+        self._table[key] = (name, now)
+        self._table.move_to_end(key)
+        return least if overloaded(loads[name], loads[least], self._rule) else name
+
+    def _forget(self, now: float) -> None:
+        while self._table:
+            oldest = next(iter(self._table.values()))
+            if len(self._table) < self._rule.max_keys and now - oldest[1] <= self._rule.sticky_s:
+                return
+            self._table.popitem(last=False)
+
+
+def plan(keys: Sequence[Key], loads: Mapping[str, int], rule: Routing,
+         affinity: Optional[Affinity] = None) -> dict[str, list[int]]:
     """Sequence indices per replica for one request: every sequence of a key to one replica, chosen as the
-    load stands with this request's earlier sequences counted."""
+    load stands with this request's earlier sequences counted (by `affinity` when given, else `choose`)."""
     loads = dict(loads)
     by_key: dict[bytes, str] = {}
     parts: dict[str, list[int]] = {}
     for i, key in enumerate(keys):
         name = by_key.get(key) if key is not None else None
         if name is None:
-            name = choose(key, loads, rule)
+            name = affinity.choose(key, loads) if affinity is not None else choose(key, loads, rule)
             if key is not None:
                 by_key[key] = name
         parts.setdefault(name, []).append(i)

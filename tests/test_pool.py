@@ -12,7 +12,7 @@ import pytest
 from helpers import PACKED_ATOL, VOCAB, CliServer, ServerThread, build_model, ref_token_logprobs, serve_dir
 from logitserve.client import ReplicasDisagree, Routing, TeacherPool, Wanted
 from logitserve.client.health import NOT_SERVING, SERVING, decode_status, encode_request
-from logitserve.client.routing import choose, group_key, plan, prefix_key, rendezvous
+from logitserve.client.routing import Affinity, choose, group_key, plan, prefix_key, rendezvous
 
 PREFIX = 64          # the servers' --min-shared-prefix (serve_dir's and the CLI's default)
 
@@ -103,6 +103,54 @@ def test_load_fallback_only_past_both_bounds_and_a_group_stays_together():
     assert parts[other] == [5, 6]
     with pytest.raises(ValueError, match="balance_rel=0.5"):
         Routing(balance_rel=0.5)
+
+
+def burst(keys: list[bytes], size: int, affinity: Affinity, names: list[str]) -> dict[bytes, set[str]]:
+    """Each key's `size` sequences routed one request at a time, none finishing: key -> the replicas it went to."""
+    loads = dict.fromkeys(names, 0)
+    went: dict[bytes, set[str]] = {}
+    for key in keys:
+        for _ in range(size):
+            (name, _), = plan([key], loads, Routing(), affinity).items()
+            loads[name] += 1
+            went.setdefault(key, set()).add(name)
+    return went
+
+
+@pytest.mark.unit
+def test_a_burst_of_few_groups_lands_evenly_each_group_on_one_replica():
+    names = ["a:1", "b:1"]
+    # four groups whose keys all hash to a:1: pure hashing sends all 32 sequences there
+    keys = [group_key(k) for k in (f"p{i}" for i in range(200)) if rendezvous(group_key(k), names) == "a:1"][:4]
+    hashed = burst(keys, 8, Affinity(Routing(balance_factor=None)), names)
+    assert all(went == {"a:1"} for went in hashed.values())
+    went = burst(keys, 8, Affinity(Routing()), names)
+    assert all(len(replicas) == 1 for replicas in went.values()), went      # no group split
+    per_replica = [sum(1 for r in went.values() if r == {n}) for n in names]
+    assert per_replica == [2, 2], went
+    with pytest.raises(ValueError, match="balance_factor=0.5"):
+        Routing(balance_factor=0.5)
+
+
+@pytest.mark.unit
+def test_a_key_keeps_its_replica_while_sticky_and_moves_when_it_leaves():
+    now = [0.0]
+    affinity = Affinity(Routing(sticky_s=10.0, max_keys=3), clock=lambda: now[0])
+    names = ["a:1", "b:1"]
+    key = next(group_key(f"k{i}") for i in range(100) if rendezvous(group_key(f"k{i}"), names) == "a:1")
+    assert affinity.choose(key, {"a:1": 0, "b:1": 0}) == "a:1"
+    now[0] = 9.0                       # a:1 now over the bound for a new key (cap 7), kept: the group's replica
+    assert affinity.choose(key, {"a:1": 10, "b:1": 0}) == "a:1"
+    now[0] = 19.5                      # 10.5 s since it was last routed: forgotten, chosen anew under the bound
+    assert affinity.choose(key, {"a:1": 10, "b:1": 0}) == "b:1"
+    assert affinity.choose(key, {"a:1": 0, "b:1": 5}) == "b:1"           # kept again
+    assert affinity.choose(key, {"a:1": 0}) == "a:1"                      # b:1 left: moved, and kept there
+    assert affinity.choose(key, {"a:1": 5, "b:1": 0}) == "a:1"
+    assert affinity.choose(key, {"a:1": 300, "b:1": 100}) == "b:1"       # overloaded past both bounds: this one spills
+    assert affinity.choose(key, {"a:1": 6, "b:1": 0}) == "a:1"           # ... and the key stays
+    for i in range(5):
+        affinity.choose(group_key(f"other{i}"), {"a:1": 0, "b:1": 0})
+    assert len(affinity) == 3                                             # at most max_keys kept
 
 
 @pytest.mark.unit
@@ -231,9 +279,12 @@ def test_a_draining_replica_is_taken_out_by_watch_and_a_new_one_on_its_port_come
             while state().status != "SERVING":
                 assert time.monotonic() < deadline, state()
                 time.sleep(0.05)
-            before = tokens_served(back)
-            check_exact(pool.group(key).logprobs([seq]), [seq], llama_ref)
-            assert tokens_served(back) - before == len(seq)
+            before = (tokens_served(back), tokens_served(survivor))
+            check_exact(pool.group(key).logprobs([seq]), [seq], llama_ref)   # a live group stays where it went
+            assert (tokens_served(back) - before[0], tokens_served(survivor) - before[1]) == (0, len(seq))
+            fresh = key_on(drainer.address, addresses, start=int(key[1:]) + 1)      # a new group hashed there
+            check_exact(pool.group(fresh).logprobs([seq]), [seq], llama_ref)
+            assert tokens_served(back) - before[0] == len(seq)
         finally:
             back.stop()
 
