@@ -102,7 +102,8 @@ def bench_shape(shape: str, workloads: list[str], args, rows: list) -> None:
         auto = AutoModelForCausalLM if kind == "causal" else AutoModelForSequenceClassification
         model = auto.from_pretrained(model_dir, dtype=dtype).eval().to(device)
         servers = {mode: start_server("--demo", kind, "--demo-shape", shape, "--batching", mode, "--dtype",
-                                      args.dtype, "--device", device) for mode in ("exact", "packed")}
+                                      args.dtype, "--device", device, *args.server_args.split())
+                   for mode in ("exact", "packed")}
         try:
             clients = {mode: TeacherClient(address) for mode, (_, address) in servers.items()}
             for w in todo:
@@ -161,6 +162,8 @@ def main() -> int:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="fp32", choices=sorted(DTYPES))
+    p.add_argument("--server-args", default="", help="more `logitserve serve` flags for both servers, e.g. "
+                   "--server-args=\"--step-target-ms 0\"")
     args = p.parse_args()
 
     import torch

@@ -27,14 +27,16 @@ def _serve_parser(sub, formatter) -> None:
                         "wide (vocab 151936, hidden 1024)")
     p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32", help="weights and activations")
     p.add_argument("--logprob-chunk-size", type=int, default=512, help="logits rows materialized at a time")
-    p.add_argument("--step-target-ms", type=float, default=25.0, metavar="MS",
+    p.add_argument("--step-target-ms", type=float, default=0.0, metavar="MS",
                    help="a head step holds fewer rows than --logprob-chunk-size when a plain step of that many takes "
                         "longer than MS on this device (measured at start-up: a power of two, at least 16), so a "
-                        "queued small request waits about MS for the step in progress; 0 = always the chunk size")
+                        "queued small request waits about MS for the step in progress, at a cost in throughput on "
+                        "a CPU (the head's matmul is slower per row on fewer rows); 0 (default) = the chunk size")
     p.add_argument("--short-step-ms", type=float, default=10.0, metavar="MS",
-                   help="the same target for batches that hold a large request while small ones keep coming (one ran "
-                        "between a batch's steps within the last second): their wait for the step in progress is "
-                        "about MS; batches go back to --step-target-ms when small requests stop; 0 = never shorter")
+                   help="the same target for batches that hold a large request while small ones keep coming (one "
+                        "arrived or ran between a batch's steps within the last second): their wait for the step in "
+                        "progress is about MS; batches go back to full steps when small requests stop; 0 = never "
+                        "shorter")
     p.add_argument("--max-seq-len", type=int, default=None, help="default: the model's max_position_embeddings")
     p.add_argument("--max-message-bytes", type=int, default=4 << 20, help="every response message stays under this")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads per rank")

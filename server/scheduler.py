@@ -21,9 +21,9 @@
   queued jobs of at most `interject_tokens` work tokens (up to that many in all) run as a batch of their own
   before its next step (server.batch_runner). A heavy job's head steps are cut to about the work
   of a plain one's (logitserve.cost.head_chunk_rows), so the wait is about one step. While small jobs keep
-  coming (one ran between a batch's steps in the last `short_steps_s`), a batch holding a larger job runs in
-  short head steps (Engine.short_step_rows, --short-step-ms), so the step they wait for is shorter too; with
-  none for that long, batches go back to full steps and their throughput.
+  coming (one arrived, or ran between a batch's steps, in the last `short_steps_s`), a batch holding a larger
+  job runs in short head steps (Engine.short_step_rows, --short-step-ms), so the step they wait for is short
+  too; with none for that long, batches go back to full steps and their throughput.
 - Cancellation: a cancelled or timed-out job is skipped if queued and stopped at its next piece if
   running; its pieces are dropped.
 """
@@ -66,7 +66,7 @@ class SchedulerConfig:
                                          # (--interject-after-ms; 0: never)
     interject_tokens: int = 1024         # small: at most this many work tokens; at most this many at a time
     short_steps_s: float = 1.0           # batches with a larger job run in short steps this long after a small job
-                                         # last ran between a batch's steps (0: never)
+                                         # last arrived or ran between a batch's steps (0: never)
 
     def __post_init__(self):
         if self.max_batch_tokens < 1 or self.max_queued_tokens < 1 or self.max_buffered_bytes < 1:
@@ -109,7 +109,7 @@ class Scheduler:
         self._budget = HeldBytes(config.memory_budget_bytes, config.client_budget_bytes)   # bytes requests hold
         self._stopping = False
         self._depth = 0              # batches running: 2 while one runs nested between another's steps
-        self._small_between = float("-inf")   # when small jobs last ran between a batch's steps
+        self._small_seen = float("-inf")   # when a small job last arrived or ran between a batch's steps
         self.batches_run = 0
         self._thread = threading.Thread(target=self._loop, name="logitserve-compute", daemon=True)
         self._thread.start()
@@ -176,6 +176,8 @@ class Scheduler:
                 self._gathering is not None and self._gathering.holds(shares)))
             if ticket.mate:
                 self._split_at = ticket.admitted
+            if work <= c.interject_tokens:   # small jobs are coming: batches beside them run short steps
+                self._small_seen = ticket.admitted
             self._queues.append(ticket)
             self._cond.notify()
         return ticket
@@ -311,7 +313,7 @@ class Scheduler:
                 small = self._queues.take_small(c.interject_tokens)
             if not small:
                 return None
-            self._small_between = time.monotonic()
+            self._small_seen = time.monotonic()
 
             def nested(run_batch: BatchRun) -> None:
                 try:
@@ -324,10 +326,10 @@ class Scheduler:
         return between
 
     def _short(self, batch: list[Ticket], live: list[bool], now: float) -> bool:
-        """Whether this batch runs in short head steps: small jobs ran between a batch's steps lately, and it holds
-        a job larger than those (a batch of small jobs alone is over soon anyway)."""
+        """Whether this batch runs in short head steps: small jobs arrived or ran between a batch's steps lately, and
+        it holds a job larger than those (a batch of small jobs alone is over soon anyway)."""
         c = self.config
-        return now - self._small_between < c.short_steps_s and any(
+        return now - self._small_seen < c.short_steps_s and any(
             ok and t.work > c.interject_tokens for t, ok in zip(batch, live))
 
     def _events(self, batch: list[Ticket], live: list[bool], started: float,

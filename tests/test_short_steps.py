@@ -61,13 +61,15 @@ def test_batches_with_a_large_job_run_short_while_small_jobs_keep_coming():
         await _send(scheduler, _job(16))                         # small jobs alone: never short
         await asyncio.sleep(0.6)
         await _send(scheduler, _job(2000))                       # none for short_steps_s: full steps again
+        await _send(scheduler, _job(16))                         # a small job arrived (ran alone, not between)
+        await _send(scheduler, _job(2000))                       # ... so the next large batch runs short
     try:
         asyncio.run(scenario())
     finally:
         scheduler.shutdown()
         scheduler.join(5.0)
     assert recorder.batches == [([2000], False), ([2000], False), ([16], False), ([2000], True), ([16], False),
-                                ([2000], False)], recorder.batches
+                                ([2000], False), ([16], False), ([2000], True)], recorder.batches
 
 
 @pytest.fixture(scope="module")
