@@ -67,3 +67,19 @@ def test_dropping_members_keeps_a_prefix_only_while_someone_continues_it():
     kept = live_members(pack, lambda j: j == 2)
     assert [(m.job, m.parent) for m in kept] == [(-1, -1), (2, 0)]
     assert live_members(pack, lambda j: False) == []
+
+
+def test_a_group_part_fills_to_a_pack_plus_its_longest_sequence():
+    """A part is its prefix plus continuations up to max_tokens + the group's longest sequence in all (what the memory
+    estimate allows a pack with a shared prefix): a chat group of 8 x (512 + 512) with reads from row 511 fits one
+    4096-token part, not 7 continuations and a lone 8th computed whole."""
+    rng = np.random.default_rng(0)
+    prompt = rng.integers(0, 50, 512)
+    wanted = [Wanted(i, 0, np.concatenate([prompt, rng.integers(50, 99, 512)]).astype(np.int32), 511) for i in range(8)]
+    groups, alone = find_groups(wanted, 16)
+    assert not alone and groups[0].prefix == 511
+    for max_tokens, parts in ((4096, 1), (2048, 2), (1024, 4)):
+        packs = plan_shared_packs(groups, alone, max_tokens)
+        assert sum(1 for p in packs for m in p.members if m.job < 0) == parts
+        assert all(p.tokens <= max_tokens + 1024 for p in packs)
+        assert all(m.parent >= 0 for p in packs for m in p.members if m.job >= 0)   # every member continues one

@@ -7,7 +7,7 @@ that needs the head falls inside it, goes through the body once as a pack member
 each member continues from it: its rows attend to the prefix's keys and values and causally to
 themselves, with positions going on from the prefix (attention.varlen_attention_forward). Sharing is
 flat: one prefix per group (members that share a longer run in pairs still compute that part each).
-A group larger than a pack is split, each part with its own copy of the prefix.
+A group larger than a pack (and one sequence) is split, each part with its own copy of the prefix.
 """
 from __future__ import annotations
 
@@ -77,15 +77,18 @@ def find_groups(wanted: Sequence[Wanted], min_shared: int) -> tuple[list[Group],
 def plan_shared_packs(groups: list[Group], alone: list[Wanted], max_tokens: int) -> list[Pack]:
     """Packs of at most max_tokens (a longer item packs alone): each group's prefix (a member with job -1,
     its tokens those of the next member) precedes its continuations in the same pack. A group part is its
-    prefix plus up to max_tokens of continuations, and at least two of them (so a part never holds more
-    tokens than its sequences would unshared); a larger group is split, the prefix repeated in each part."""
+    prefix plus continuations, at most max_tokens + the group's longest sequence in all (the bound the memory
+    estimate allows a pack with a shared prefix: logitserve.memory), and at least two continuations (so a part
+    never holds more tokens than its sequences would unshared); a larger group is split, the prefix repeated in
+    each part."""
     items: list[list[Member]] = []     # each item stays whole in one pack; offsets are assigned below
     for g in groups:
         parts: list[list[Wanted]] = [[]]
-        used = 0                      # the continuations' tokens: a part is its prefix + up to max_tokens more
+        budget = max_tokens + max(len(w.ids) for w in g.members) - g.prefix    # for a part's continuations
+        used = 0
         for w in g.members:
             n = len(w.ids) - g.prefix
-            if len(parts[-1]) >= 2 and used + n > max_tokens:     # two continuations always share
+            if len(parts[-1]) >= 2 and used + n > budget:         # two continuations always share
                 parts.append([])
                 used = 0
             parts[-1].append(w)
