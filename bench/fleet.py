@@ -114,7 +114,7 @@ def one_server(args, bursts: list[Burst]) -> list[dict]:
     rows = []
     for wait in [float(w) for w in args.share_wait_ms.split(",")]:
         proc, address = start_server("--demo", "causal", "--demo-shape", args.model_shape, "--dtype", args.dtype,
-                                     "--device", args.device, "--share-wait-ms", f"{wait:g}")
+                                     "--device", args.device, "--share-wait-ms", f"{wait:g}", *args.server_args.split())
         try:
             for burst in bursts:
                 row = measure(address, burst, args.streams, args.repeats, share_wait_ms=wait)
@@ -140,6 +140,7 @@ def main() -> int:
     p.add_argument("--model-shape", default="body", help="the demo's shape (body; 1b on a GPU)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="fp32", choices=sorted(DTYPES))
+    p.add_argument("--server-args", default="", help="more `logitserve serve` flags, e.g. --server-args=\"--short-step-ms 0\"")
     args = p.parse_args()
 
     import torch

@@ -134,6 +134,10 @@ class QueuedKeys:
         """Whether a queued job has a sequence with one of these keys."""
         return any(s.key in self._by for s in shares)
 
+    def shared(self, shares: tuple[Shareable, ...]) -> bool:
+        """Whether, with a queued job that has these `shares`, another queued job has a sequence under one of its keys."""
+        return any(len(self._by.get(s.key, ())) > 1 for s in shares)
+
     def mates(self, keys: Iterable[bytes]) -> Iterator[Hashable]:
         """Queued jobs with a sequence under one of `keys` (each once); a snapshot, safe to remove from."""
         seen: dict[Hashable, None] = {}

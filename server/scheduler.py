@@ -20,7 +20,9 @@
 - Small jobs do not wait out a long batch: once a batch has run `interject_after_s`, at each of its steps the
   queued jobs of at most `interject_tokens` work tokens (up to that many in all) run as a batch of their own
   before its next step (server.batch_runner). A heavy job's head steps are cut to about the work
-  of a plain one's (logitserve.cost.head_chunk_rows), so the wait is about one step. While small jobs keep
+  of a plain one's (logitserve.cost.head_chunk_rows), so the wait is about one step. A job of a group
+  arriving in parts is not taken so: it waits for a batch with its group, which computes the prefix once
+  (ClientQueues.take_small). While small jobs keep
   coming (one arrived, or ran between a batch's steps, in the last `short_steps_s`), a batch holding a larger
   job runs in short head steps (Engine.short_step_rows, --short-step-ms), so the step they wait for is short
   too; with none for that long, batches go back to full steps and their throughput.
@@ -176,8 +178,9 @@ class Scheduler:
                 self._gathering is not None and self._gathering.holds(shares)))
             if ticket.mate:
                 self._split_at = ticket.admitted
-            if work <= c.interject_tokens:   # small jobs are coming: batches beside them run short steps
-                self._small_seen = ticket.admitted
+            if work <= c.interject_tokens and not (shares and ticket.admitted - self._split_at < GROUPED_S):
+                self._small_seen = ticket.admitted   # small jobs are coming: batches beside them run short steps
+                                                     # (a group's parts wait for their batch: take_small)
             self._queues.append(ticket)
             self._cond.notify()
         return ticket
@@ -310,7 +313,8 @@ class Scheduler:
             if time.monotonic() - started < c.interject_after_s or not self._queues:
                 return None
             with self._cond:
-                small = self._queues.take_small(c.interject_tokens)
+                small = self._queues.take_small(c.interject_tokens,
+                                                grouped=time.monotonic() - self._split_at < GROUPED_S)
             if not small:
                 return None
             self._small_seen = time.monotonic()

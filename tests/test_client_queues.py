@@ -61,6 +61,36 @@ def test_small_jobs_for_interjection_are_taken_in_turn_up_to_the_cap(loop):
     assert [q.pop() for _ in range(3)] == [big, heavy, s2] and not q
 
 
+def _member(loop, client: str, prompt: np.ndarray, mate: bool = False) -> Ticket:
+    """One sequence of a group sent one per request: the prompt then a response of its own."""
+    from logitserve.server.grouping import shareables
+
+    ids = np.concatenate([prompt, np.arange(100, 140, dtype=np.int32)])
+    job = Job(sequences=(ids,), logprobs=LogprobsOpts(), prompt_lengths=(len(prompt),))   # the response's rows read
+    ticket = Ticket(job, client, len(ids), 0, loop, 1 << 20, shareables(job, 64, 1000))
+    assert ticket.shares
+    ticket.mate = mate
+    return ticket
+
+
+def test_a_group_arriving_in_parts_is_not_taken_apart_for_interjection(loop):
+    prompt = np.arange(200, dtype=np.int32)
+    q = ClientQueues()
+    first = _member(loop, "a", prompt)
+    lone = _member(loop, "b", np.arange(300, 500, dtype=np.int32))      # shareable, but no other part queued
+    q.append(first)
+    q.append(lone)
+    assert q.take_small(1024) == [first, lone]          # no mate queued: each may run between another's steps
+    q.append(first)
+    q.append(_member(loop, "c", prompt, mate=True))     # its group's next part arrives
+    plain = _ticket(loop, "d", 16)                       # too short to share: a polite small request
+    q.append(plain)
+    assert q.take_small(1024) == [plain]                 # the group's parts wait for a batch together
+    q.append(lone)
+    assert q.take_small(1024, grouped=True) == []       # grouped mode: any shareable job may be a group's first
+    assert q.take_small(1024) == [lone] and len(q) == 2
+
+
 def test_held_bytes_refuse_past_the_budget_and_past_a_clients_share():
     held = HeldBytes(1000, 500)
     held.add("a", 400)
