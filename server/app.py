@@ -7,7 +7,7 @@ from concurrent.futures import ThreadPoolExecutor
 import logging
 import signal
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
@@ -20,7 +20,7 @@ from grpc_reflection.v1alpha._async import ReflectionServicer
 
 import logitserve
 from logitserve.cost import cost_of
-from logitserve.engine import Batching, Engine, EngineConfig
+from logitserve.engine import Batching, Engine
 from logitserve.head_export import HeadSource
 from logitserve.hostmem import freeze_startup_objects
 from logitserve.spec import ModelKind
@@ -30,65 +30,20 @@ from logitserve.parallel import ParallelConfig, ParallelContext
 from logitserve.kserve import grpc_predict_v2_pb2_grpc as kpb_grpc
 
 from . import codec
-from .scheduler import Scheduler, SchedulerConfig, engine_batch_runner
+from .config import ModelConfig, ServerConfig  # noqa: F401 (re-exported: create_server takes them)
+from .scheduler import Scheduler, engine_batch_runner
 from .grouping import shareables
 from .budget import device_budget, memory_estimator  # noqa: F401 (memory_estimator re-exported)
 from .kserve import KServeServicer
 from .gate import SERVICE_NAME, Gate, Listening, PortInUse, check_port_free, open_port  # noqa: F401 (re-exported)
-from .admission import ClientLimits
-from .http_conn import HttpLimits
-from .head_rpc import HeadLimits
 from .metrics import Metrics
-from .security import SecurityConfig
-from .requests import Pipeline, StreamLimits
+from .requests import Pipeline
 from .servicer import LogitServeServicer
 from .servicer import add_to as add_native
 
 log = logging.getLogger("logitserve.server")
 KSERVE_SERVICE = "inference.GRPCInferenceService"
 REFLECTION_V1 = "grpc.reflection.v1.ServerReflection"
-
-
-@dataclass(frozen=True)
-class ModelConfig:
-    """Which model to serve and how."""
-
-    path: Optional[str] = None          # a local HF directory; None = the embedded demo
-    demo: str = "causal"                # demo kind when path is None: causal | reward | prm
-    demo_shape: str = "demo"            # demo shape when path is None: demo | body | 1b (logitserve.demo)
-    dtype: str = "fp32"                 # fp32 | bf16 | fp16
-    max_seq_len: Optional[int] = None   # default: the model's max_position_embeddings
-    device: str = "cpu"                 # single-process serving: cpu | cuda | auto
-    step_separator: Optional[str] = None   # token-classification models: the token (or id) that ends a step
-
-
-@dataclass(frozen=True)
-class ServerConfig:
-    """Network side of the server."""
-
-    host: str = "127.0.0.1"
-    port: int = 50051                   # 0 picks a free port
-    max_message_bytes: int = 4 << 20    # every response message stays under this
-    max_request_bytes: int = 64 << 20   # largest request message accepted
-    grace_s: float = 5.0                # drain time on shutdown
-    engine: EngineConfig = field(default_factory=EngineConfig)
-    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
-    security: SecurityConfig = field(default_factory=SecurityConfig)
-    metrics_port: Optional[int] = None  # Prometheus /metrics over HTTP on this port (0: a free one); None: off
-    metrics_host: str = "127.0.0.1"     # /metrics has no auth: loopback unless --metrics-host says otherwise
-    limits: StreamLimits = field(default_factory=StreamLimits)
-    clients: ClientLimits = field(default_factory=ClientLimits)     # per-client shares (server/admission.py)
-    head: HeadLimits = field(default_factory=HeadLimits)            # Head downloads (server/head_rpc.py)
-    keepalive_s: float = 60.0           # pings on idle connections; a peer silent for keepalive_timeout_s is dropped
-    keepalive_timeout_s: float = 20.0
-    max_connection_idle_s: float = 3600.0   # a connection with no RPC for this long is closed (GOAWAY)
-    http_port: Optional[int] = None     # vLLM / SGLang / TRL HTTP routes on this port (0: a free one); None: off
-    served_model_names: tuple[str, ...] = ()   # the model's HTTP names (first: its id); empty: the model's name
-    http: HttpLimits = field(default_factory=HttpLimits)   # the HTTP port's connection bounds (server/http_conn.py)
-
-    def __post_init__(self):
-        if self.max_message_bytes < 64 << 10:
-            raise ValueError(f"max_message_bytes={self.max_message_bytes} must be >= {64 << 10}")
 
 
 def _source(model: ModelConfig) -> tuple[Path, Optional[str]]:

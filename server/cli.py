@@ -202,7 +202,8 @@ def _cmd_serve(args, argv: list[str]) -> int:
         return code
     from logitserve.parallel import ParallelConfig
 
-    from .app import ModelConfig, PortInUse, serve, serve_rank
+    from .app import PortInUse, serve, serve_rank
+    from .config import ModelConfig
     from .head_rpc import HeadLimits
     from .launch import spawn_local, under_torchrun
 
@@ -308,10 +309,8 @@ def _server_config(args, head_limits):
     from logitserve.engine import Batching, EngineConfig
 
     from .admission import ClientLimits
-    from .app import ServerConfig
+    from .config import SchedulerConfig, ServerConfig, StreamLimits
     from .http_conn import HttpLimits
-    from .requests import StreamLimits
-    from .scheduler import SchedulerConfig
     from .security import SecurityConfig
 
     scheduler = SchedulerConfig(max_batch_tokens=args.max_batch_tokens, batch_delay_s=args.batch_delay_ms / 1e3,

@@ -24,6 +24,7 @@ from logitserve.validate import resolve_job
 
 from . import codec
 from .admission import ClientLimits, Clients
+from .config import StreamLimits
 from .metrics import account
 from .scheduler import Scheduler
 from .status import to_status
@@ -34,19 +35,6 @@ ENDED_BY_SHUTDOWN = ("the server shut down before this request finished (its --g
 # Peak bytes tokenizing holds per byte of text (fast tokenizers' offsets and encodings: ~100x measured on the demo
 # tokenizer, 4 MiB of text), reserved in the memory budget while a request's texts are tokenized.
 TOKENIZE_BYTES_PER_TEXT_BYTE = 128
-
-
-@dataclass(frozen=True)
-class StreamLimits:
-    """Per-request and per-stream bounds, refused with RESOURCE_EXHAUSTED naming the flag (per-request sizes
-    as TooLarge: permanent, HTTP 413; streams and requests in flight: retry later, HTTP 429)."""
-
-    max_sequences: int = 4096            # sequences in one request (--max-sequences-per-request)
-    max_request_tokens: int = 1 << 20    # tokens in one request (--max-request-tokens)
-    max_streams: int = 256               # Forward streams open at once, server-wide (--max-streams)
-    max_in_flight: int = 256             # requests in flight on one stream (--max-in-flight-per-stream)
-    max_text_bytes: int = 1 << 20        # UTF-8 bytes of one request's texts, checked before tokenizing (--max-text-bytes)
-    max_response_bytes: int = 1 << 30    # bytes of one request's outputs, checked before it runs (--max-response-bytes)
 
 
 @dataclass(frozen=True)

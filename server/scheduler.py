@@ -35,7 +35,6 @@ import asyncio
 import contextlib
 import threading
 import time
-from dataclasses import dataclass
 from typing import AsyncIterator, Callable, Iterator, Optional
 
 from logitserve.cost import Cost
@@ -48,46 +47,8 @@ from .batch_runner import BatchRun, Between, Nested, engine_batch_runner  # noqa
 from .client_queues import ClientQueues
 from .grouping import GROUPED_S, Gathering, Shareable, close_time
 from .held_bytes import HeldBytes
+from .config import SchedulerConfig
 from .ticket import DONE, Failed, Gone, Ticket
-
-
-@dataclass(frozen=True)
-class SchedulerConfig:
-    max_batch_tokens: int = 16384        # tokens per batch (--max-batch-tokens)
-    batch_delay_s: float = 0.002         # wait this long after the first job for others to join
-    share_wait_s: float = 0.005          # while more of a batch's groups arrive, wait up to this much longer
-                                         # (--share-wait-ms; 0: never; server.grouping)
-    max_queued_tokens: int = 1 << 20     # work tokens waiting or running (--max-queued-tokens)
-    max_queued_tokens_per_client: Optional[int] = None   # one client's share (--max-queued-tokens-per-client; half)
-    memory_budget_bytes: Optional[int] = None   # bound on peak estimate + bytes held by admitted requests
-    max_buffered_bytes: int = 256 << 20  # per request: computed outputs its stream has not taken (--max-buffered-bytes)
-    stall_timeout_s: float = 30.0        # longest the compute thread waits on one reader, when no one else waits
-    overlap: bool = True                 # compute the next chunk while the last one is being sent
-    idle_s: float = 2.0                  # with an idle callback: call it after this long without work
-    interject_after_s: float = 0.02      # a batch running this long runs queued small jobs between its steps
-                                         # (--interject-after-ms; 0: never)
-    interject_tokens: int = 1024         # small: at most this many work tokens; at most this many at a time
-    short_steps_s: float = 1.0           # batches with a larger job run in short steps this long after a small job
-                                         # last arrived or ran between a batch's steps (0: never)
-
-    def __post_init__(self):
-        if self.max_batch_tokens < 1 or self.max_queued_tokens < 1 or self.max_buffered_bytes < 1:
-            raise ValueError(f"max_batch_tokens, max_queued_tokens and max_buffered_bytes must be >= 1: {self}")
-        if self.interject_after_s < 0 or self.interject_tokens < 1:
-            raise ValueError(f"interject_after_s={self.interject_after_s} (--interject-after-ms) must be >= 0 and "
-                             f"interject_tokens={self.interject_tokens} (--interject-tokens) >= 1")
-        if self.batch_delay_s < 0 or self.share_wait_s < 0:
-            raise ValueError(f"batch_delay_s={self.batch_delay_s} (--batch-delay-ms) and share_wait_s={self.share_wait_s} "
-                             f"(--share-wait-ms) must be >= 0")
-
-    @property
-    def client_queued_tokens(self) -> int:
-        return self.max_queued_tokens_per_client or max(1, self.max_queued_tokens // 2)
-
-    @property
-    def client_budget_bytes(self) -> Optional[int]:
-        """One client's share of the bytes admitted requests hold: half the budget."""
-        return None if self.memory_budget_bytes is None else self.memory_budget_bytes // 2
 
 
 class Scheduler:

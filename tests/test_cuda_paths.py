@@ -16,8 +16,8 @@ def test_a_request_that_runs_out_of_memory_alone_gets_resource_exhausted(model_d
     request ends RESOURCE_EXHAUSTED naming memory, the others in its batch are served exactly, the server stays."""
     from logitserve.engine import Engine, EngineConfig
     from logitserve.loading import load_model
-    from logitserve.server.app import ServerConfig
-    from logitserve.server.scheduler import SchedulerConfig, engine_batch_runner
+    from logitserve.server.config import SchedulerConfig, ServerConfig
+    from logitserve.server.scheduler import engine_batch_runner
     from helpers import Reference
 
     loaded = load_model(model_dirs["llama"])
@@ -158,9 +158,8 @@ def test_nccl_options_make_timeouts_raise(monkeypatch):
 
 @pytest.mark.unit
 def test_a_gpu_server_gets_a_memory_budget_from_the_free_device_memory():
-    from logitserve.server.app import ServerConfig
     from logitserve.server.budget import device_budget
-    from logitserve.server.scheduler import SchedulerConfig
+    from logitserve.server.config import SchedulerConfig, ServerConfig
 
     config = ServerConfig()
     got = device_budget(config, torch.device("cuda", 0), free_bytes=100 << 30)

@@ -26,7 +26,8 @@ def _rank(rank: int, port: int, tp: int, cp: int, directory: str, seqs, out) -> 
     from logitserve.engine import EngineConfig
     from logitserve.events import JobFailed, JobPiece
     from logitserve.parallel import ParallelConfig, init_parallel
-    from logitserve.server.app import ModelConfig, ServerConfig, _rank_engine
+    from logitserve.server.app import _rank_engine
+    from logitserve.server.config import ModelConfig, ServerConfig
     from logitserve.spec import Job, LogprobsOpts
 
     ctx = init_parallel(ParallelConfig(tp=tp, cp=cp, collective_timeout_s=30, device="cpu"))

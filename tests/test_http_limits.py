@@ -311,7 +311,7 @@ def test_open_port_binds_the_http_port_before_loading():
     it; a free one is bound and held until the model is served."""
     import asyncio
 
-    from logitserve.server.app import ServerConfig
+    from logitserve.server.config import ServerConfig
     from logitserve.server.gate import PortInUse, open_port
 
     async def check() -> None:

@@ -16,7 +16,8 @@ from logitserve.cost import head_chunk_rows
 from logitserve.demo import demo_dir
 from logitserve.events import JobPiece, Piece, Step
 from logitserve.server.batch_runner import engine_batch_runner
-from logitserve.server.scheduler import Scheduler, SchedulerConfig
+from logitserve.server.scheduler import Scheduler
+from logitserve.server.config import SchedulerConfig
 from logitserve.spec import Job, LogprobsOpts, OutputKind, TopKOpts
 
 

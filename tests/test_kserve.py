@@ -62,7 +62,7 @@ def test_config_statistics_and_index_count_both_apis(model_dirs):
 
     from helpers import serve_dir
     from logitserve.client import LogitServeError, TeacherClient
-    from logitserve.server.requests import StreamLimits
+    from logitserve.server.config import StreamLimits
 
     server = serve_dir(model_dirs["llama"], limits=StreamLimits(max_sequences=3))
     seqs = random_seqs(np.random.default_rng(8), [5, 9], vocab=VOCAB)

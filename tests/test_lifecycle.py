@@ -13,7 +13,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from helpers import CliServer, serve_dir
 from logitserve.client import LogitServeError, TeacherClient, Wanted
 from logitserve.server.admission import ClientLimits
-from logitserve.server.requests import StreamLimits
+from logitserve.server.config import StreamLimits
 
 pytestmark = pytest.mark.live_server
 

@@ -41,7 +41,8 @@ def _vm_rss_kib(pid: int) -> int:
 def test_logprobs_peak_rss_is_0_7_gib_below_a_plain_forward(demo_cli_server):
     from logitserve.demo import demo_dir
     from logitserve.loading import load_model
-    from logitserve.server.app import ServerConfig, memory_estimator
+    from logitserve.server.app import memory_estimator
+    from logitserve.server.config import ServerConfig
     from logitserve.engine import Engine, EngineConfig
     from logitserve.spec import Job, LogprobsOpts
 

@@ -18,7 +18,7 @@ def test_half_precision_model_outputs_follow_its_own_logits(model_dirs, dtype, t
     from helpers import ServerThread
     from logitserve.engine import EngineConfig
     from logitserve.loading import load_model
-    from logitserve.server.app import ServerConfig
+    from logitserve.server.config import ServerConfig
 
     directory = model_dirs["llama"]
     server = ServerThread(load_model(directory, dtype=dtype), ServerConfig(port=0, engine=EngineConfig(chunk_size=16)))

@@ -265,8 +265,8 @@ def test_a_cancelled_job_stops_and_the_others_finish(engine):
 @pytest.mark.unit
 def test_memory_budget_under_a_packed_body_refuses_to_start(dirs):
     from logitserve.loading import load_model
-    from logitserve.server.app import ServerConfig, memory_estimator
-    from logitserve.server.scheduler import SchedulerConfig
+    from logitserve.server.app import memory_estimator
+    from logitserve.server.config import SchedulerConfig, ServerConfig
 
     config = ServerConfig(scheduler=SchedulerConfig(memory_budget_bytes=4 << 20))
     with pytest.raises(ValueError, match="--memory-budget 4 MiB is under a packed body of 8192 tokens"):

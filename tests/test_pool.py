@@ -40,8 +40,7 @@ def held_server(directory, port: int = 0, delay_s: float = 0.4) -> ServerThread:
     """An in-process server whose batches wait `delay_s` for company: a request stays in flight that long."""
     from logitserve.engine import Batching, EngineConfig
     from logitserve.loading import load_model
-    from logitserve.server.app import ServerConfig
-    from logitserve.server.scheduler import SchedulerConfig
+    from logitserve.server.config import SchedulerConfig, ServerConfig
 
     engine = EngineConfig(chunk_size=16, batching=Batching("packed"), min_shared_prefix=PREFIX)
     return ServerThread(load_model(directory), ServerConfig(port=port, engine=engine, grace_s=5.0,

@@ -22,7 +22,8 @@ from logitserve.server.admission import ClientLimits
 from logitserve.server.dense import Dense
 from logitserve.server.http_common import Ctx, TokenTexts
 from logitserve.server.requests import ENDED_BY_SHUTDOWN, Decoded, Failed, Pipeline
-from logitserve.server.scheduler import Scheduler, SchedulerConfig
+from logitserve.server.scheduler import Scheduler
+from logitserve.server.config import SchedulerConfig
 from logitserve.spec import Job, LogprobsOpts, ModelKind, ModelLimits, OutputKind
 from logitserve.tokenizing import TextEncoder
 

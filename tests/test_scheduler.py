@@ -10,7 +10,7 @@ import pytest
 
 from helpers import FIELDS, VOCAB, random_request, random_seqs, serve_dir, within_packed_bound
 from logitserve.client import AsyncTeacherClient, LogitServeError, TeacherClient
-from logitserve.server.scheduler import SchedulerConfig
+from logitserve.server.config import SchedulerConfig
 from logitserve.v1 import logitserve_pb2 as pb
 from logitserve.v1 import logitserve_pb2_grpc as pb_grpc
 
@@ -342,7 +342,7 @@ def test_per_client_in_flight_and_response_size_limits_answer_resource_exhausted
     """--max-in-flight-per-client counts one client's requests on every stream; --max-response-bytes refuses an
     answer before it is computed. Both are RESOURCE_EXHAUSTED naming the flag, and the stream goes on."""
     from logitserve.server.admission import ClientLimits
-    from logitserve.server.requests import StreamLimits
+    from logitserve.server.config import StreamLimits
 
     server = serve_dir(model_dirs["llama"], clients=ClientLimits(max_in_flight=2),
                        limits=StreamLimits(max_response_bytes=1 << 20))

@@ -14,7 +14,8 @@ import pytest
 from helpers import VOCAB, Reference, assert_close, assert_same_signature, build_model, post, ref_token_logprobs, serve_dir
 from logitserve.client import AsyncTeacherClient, TeacherClient
 from logitserve.server.grouping import close_time, shareables
-from logitserve.server.scheduler import Scheduler, SchedulerConfig, engine_batch_runner
+from logitserve.server.scheduler import Scheduler, engine_batch_runner
+from logitserve.server.config import SchedulerConfig
 from logitserve.spec import Job, LogprobsOpts
 
 P, R, G, GROUPS = 200, 30, 4, 3       # prompt, response, group size, groups per burst

@@ -13,7 +13,8 @@ import torch
 
 from helpers import Reference, assert_same_signature, build_model, ref_token_logprobs, run_ranks
 from logitserve.server.batch_runner import engine_batch_runner
-from logitserve.server.scheduler import Scheduler, SchedulerConfig
+from logitserve.server.scheduler import Scheduler
+from logitserve.server.config import SchedulerConfig
 from logitserve.spec import Job, LogprobsOpts
 
 V = 1003
@@ -125,7 +126,8 @@ def _rank(rank: int, port: int, tp: int, pp: int, directory: str, seqs, out) -> 
     from logitserve.engine import EngineConfig
     from logitserve.events import JobPiece
     from logitserve.parallel import ParallelConfig, init_parallel
-    from logitserve.server.app import ModelConfig, ServerConfig, _rank_engine
+    from logitserve.server.app import _rank_engine
+    from logitserve.server.config import ModelConfig, ServerConfig
 
     ctx = init_parallel(ParallelConfig(tp=tp, pp=pp, collective_timeout_s=30, device="cpu"))
     config = EngineConfig(chunk_size=64, short_step_target_s=1e-9, pp_microbatch_tokens=128)

@@ -96,7 +96,8 @@ class ServerThread:
     """A real logitserve gRPC server on 127.0.0.1, run by its own event loop on a thread."""
 
     def __init__(self, loaded, config=None, run_batch=None):
-        from logitserve.server.app import ServerConfig, create_server
+        from logitserve.server.app import create_server
+        from logitserve.server.config import ServerConfig
 
         config = config or ServerConfig(port=0)
         self.loop = asyncio.new_event_loop()

@@ -24,7 +24,7 @@ def serve_dir(directory, chunk_size=16, batching="packed", max_pack_tokens=16384
     from logitserve.engine import Batching, EngineConfig
     from logitserve.loaded import with_step_separator
     from logitserve.loading import load_model
-    from logitserve.server.app import ServerConfig
+    from logitserve.server.config import ServerConfig
 
     loaded = load_model(directory)
     if step_separator is not None:
