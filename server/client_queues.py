@@ -70,17 +70,19 @@ class ClientQueues:
         self.take_out_of_turn(ticket)
         return True
 
-    def take_small(self, cap: int, grouped: bool = False) -> list[Ticket]:
+    def take_small(self, cap: int, held_after: Optional[float] = None) -> list[Ticket]:
         """Queued jobs of at most `cap` work tokens, that many tokens in all: the clients' oldest in turn (one
         each per round, from the front of the rotation; a client served goes to its back). A job that belongs to
         a group arriving in parts stays for a batch with its group (taken alone it would compute the group's
-        prefix once more): one that is a mate, or has a queued mate, or, in grouped mode, may be a group's first."""
+        prefix once more): one that is a mate, or has a queued mate, or may be a group's first: in grouped mode a
+        shareable job admitted after `held_after` (None: not grouped), so a lone one waits at most that long."""
         taken, tokens = [], 0
         while True:
             served = []
             for client, queue in list(self._queues.items()):
                 ticket = queue[0]
-                if ticket.shares and (grouped or ticket.mate or self._keys.shared(ticket.shares)):
+                young = held_after is not None and ticket.admitted > held_after
+                if ticket.shares and (young or ticket.mate or self._keys.shared(ticket.shares)):
                     continue
                 if ticket.work <= cap and tokens + ticket.tokens <= cap:
                     tokens += ticket.tokens

@@ -22,7 +22,8 @@
   before its next step (server.batch_runner). A heavy job's head steps are cut to about the work
   of a plain one's (logitserve.cost.head_chunk_rows), so the wait is about one step. A job of a group
   arriving in parts is not taken so: it waits for a batch with its group, which computes the prefix once
-  (ClientQueues.take_small). While small jobs keep
+  (ClientQueues.take_small); in grouped mode a shareable job with no mate in sight waits `share_wait_s` for
+  one first, then may run between steps like any small job. While small jobs keep
   coming (one arrived, or ran between a batch's steps, in the last `short_steps_s`), a batch holding a larger
   job runs in short head steps (Engine.short_step_rows, --short-step-ms), so the step they wait for is short
   too; with none for that long, batches go back to full steps and their throughput.
@@ -273,9 +274,10 @@ class Scheduler:
         def between() -> Optional[Nested]:
             if time.monotonic() - started < c.interject_after_s or not self._queues:
                 return None
-            with self._cond:
-                small = self._queues.take_small(c.interject_tokens,
-                                                grouped=time.monotonic() - self._split_at < GROUPED_S)
+            now = time.monotonic()
+            held_after = now - c.share_wait_s if now - self._split_at < GROUPED_S else None
+            with self._cond:        # grouped mode: a shareable job waits out the share window for its mates
+                small = self._queues.take_small(c.interject_tokens, held_after)
             if not small:
                 return None
             self._small_seen = time.monotonic()

@@ -87,8 +87,9 @@ def test_a_group_arriving_in_parts_is_not_taken_apart_for_interjection(loop):
     q.append(plain)
     assert q.take_small(1024) == [plain]                 # the group's parts wait for a batch together
     q.append(lone)
-    assert q.take_small(1024, grouped=True) == []       # grouped mode: any shareable job may be a group's first
-    assert q.take_small(1024) == [lone] and len(q) == 2
+    assert q.take_small(1024, held_after=lone.admitted - 0.005) == []   # grouped mode: a shareable job may be a
+    assert q.take_small(1024, held_after=lone.admitted) == [lone]        # group's first until the window has passed
+    assert len(q) == 2
 
 
 def test_held_bytes_refuse_past_the_budget_and_past_a_clients_share():

@@ -71,6 +71,53 @@ def test_a_small_job_runs_between_a_long_batchs_steps():
     assert done == ["big", "small"], done
 
 
+def _lone_vs_group(share_wait_s: float) -> tuple[list[str], list]:
+    """A 64-token job of 30 steps runs; two parts of a group (one prompt, sent apart) then a lone shareable job of
+    another prompt arrive: which finish before the long one (the fake's steps by length: 120 group, 110 lone)."""
+    from logitserve.server.grouping import shareables
+
+    log: list = []
+    scheduler = Scheduler(engine_batch_runner(_steps_of({64: 30, 120: 1, 110: 1}, log)),
+                          SchedulerConfig(batch_delay_s=0.0, interject_after_s=0.02, share_wait_s=share_wait_s),
+                          shares=lambda job: shareables(job, 64, 1000))
+    done: list[str] = []
+    rng = np.random.default_rng(0)
+    prompt, other = rng.integers(3, 1000, 100, dtype=np.int32), rng.integers(3, 1000, 100, dtype=np.int32)
+
+    def job(head: np.ndarray, n: int) -> Job:      # outputs on the response only: its prompt may be shared
+        ids = np.concatenate([head, rng.integers(3, 1000, n - len(head), dtype=np.int32)])
+        return Job(sequences=(ids,), logprobs=LogprobsOpts(), prompt_lengths=(len(head),))
+
+    async def one(name: str, j: Job) -> None:
+        async for _ in scheduler.stream(j, client=name):
+            pass
+        done.append(name)
+
+    async def scenario() -> None:
+        big = asyncio.create_task(one("big", Job(sequences=(np.zeros(64, np.int32),), logprobs=LogprobsOpts())))
+        while not log:
+            await asyncio.sleep(0.002)
+        parts = [asyncio.create_task(one(f"part{i}", job(prompt, 120))) for i in range(2)]
+        await asyncio.sleep(0.01)
+        await one("lone", job(other, 110))
+        await asyncio.gather(big, *parts)
+    try:
+        asyncio.run(scenario())
+    finally:
+        scheduler.shutdown()
+        scheduler.join(5.0)
+    return done, log
+
+
+@pytest.mark.unit
+def test_a_lone_shareable_job_waits_only_the_share_window_while_a_group_waits_for_its_batch():
+    done, log = _lone_vs_group(0.03)
+    assert done.index("lone") < done.index("big") < done.index("part0"), done    # the group is not taken apart
+    assert log.count((120, 0)) == 2 and log.index((120, 0)) > log.index((64, 29)), log
+    lone_at = log.index((110, 0))
+    assert 0 < lone_at < log.index((64, 29)), log                                  # the lone one ran between steps
+
+
 @pytest.mark.unit
 def test_heavy_rows_get_shorter_head_steps():
     V = 32000
