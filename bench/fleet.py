@@ -8,7 +8,9 @@ CPU) it builds `--groups` groups of G sequences sharing a prompt, then for each 
 - sends the whole burst as one request: its `shared_prefix_tokens` is the possible (sharing at its best);
 - sends it one sequence per request, every request in flight at once over `--streams` streams, response
   logprobs asked (prompt_lengths = P), and sums the requests' `shared_prefix_tokens`.
-It reports the fraction of the possible shared and the burst's tokens (all of every sequence) per second.
+It reports the fraction of the possible shared and the burst's tokens (all of every sequence) per second, and the
+latency of a lone small request (another client, its own prompt, 96 tokens) sent 0.2 s into each burst, beside
+its latency on the idle server: what a request that is part of no group pays for the groups' gathering.
 Over two replicas through TeacherPool (group affinity against round-robin): bench/fleet_pool.py.
 """
 from __future__ import annotations
@@ -57,21 +59,51 @@ def workload(shape: str, groups: int, scale: float, seed: int, order: str = "gro
     return Burst(shape, G, P, R, tuple(seqs))
 
 
-async def send_per_sequence(addresses: list[str], burst: Burst, streams: int) -> tuple[int, float]:
-    """Every sequence as its own request, all in flight, over `streams` streams spread on `addresses` in turn:
-    (the shared_prefix_tokens the requests report, seconds from the first send to the last answer)."""
+# A lone small request (another client, its own prompt, shareable: LONE_P tokens before the rows it reads) sent
+# LONE_AFTER_S into the burst: what a request that is no part of any group pays for the groups' gathering.
+LONE_L, LONE_P, LONE_AFTER_S = 96, 80, 0.2
+
+
+def lone_sequence() -> np.ndarray:
+    return np.random.default_rng(99).integers(3, 32000, LONE_L).astype(np.int32)
+
+
+async def lone_seconds(client, delay_s: float) -> float:
+    """Seconds one lone request takes, sent after delay_s."""
+    await asyncio.sleep(delay_s)
+    t = time.perf_counter()
+    await client.forward([lone_sequence()], logprobs=True, prompt_lengths=[LONE_P])
+    return time.perf_counter() - t
+
+
+async def send_per_sequence(addresses: list[str], burst: Burst, streams: int) -> tuple[int, float, float]:
+    """Every sequence as its own request, all in flight, over `streams` streams spread on `addresses` in turn,
+    and a lone request during them: (the shared_prefix_tokens the requests report, seconds from the first send to
+    the last answer, the lone request's seconds)."""
     from logitserve.client import AsyncTeacherClient
 
     clients = [AsyncTeacherClient(addresses[i % len(addresses)]) for i in range(streams)]
+    lone = AsyncTeacherClient(addresses[0])
     try:
-        await asyncio.gather(*(c.model_info() for c in clients))      # connected before the clock starts
+        await asyncio.gather(lone.model_info(), *(c.model_info() for c in clients))   # connected before the clock
         t = time.perf_counter()
+        probe = asyncio.ensure_future(lone_seconds(lone, LONE_AFTER_S))
         results = await asyncio.gather(*(clients[i % streams].forward([s], logprobs=True, prompt_lengths=[burst.P])
                                          for i, s in enumerate(burst.seqs)))
-        return sum(r.shared_prefix_tokens for r in results), time.perf_counter() - t
+        seconds = time.perf_counter() - t
+        return sum(r.shared_prefix_tokens for r in results), seconds, await probe
     finally:
-        for c in clients:
+        for c in (*clients, lone):
             await c.close()
+
+
+async def idle_lone(address: str, repeats: int = 5) -> float:
+    """Median seconds of the lone request on the idle server."""
+    from logitserve.client import AsyncTeacherClient
+
+    async with AsyncTeacherClient(address) as c:
+        await lone_seconds(c, 0.0)
+        return statistics.median([await lone_seconds(c, 0.0) for _ in range(repeats)])
 
 
 def possible(address: str, burst: Burst) -> int:
@@ -89,23 +121,27 @@ def measure(address: str, burst: Burst, streams: int, repeats: int, **labels) ->
         raise SystemExit(f"{burst.shape}: P = {burst.P} shares nothing even in one request (under the server's "
                          f"--min-shared-prefix, 64 by default); use a larger --scale")
     asyncio.run(send_per_sequence([address], burst, streams))
+    idle = asyncio.run(idle_lone(address))
     runs = [asyncio.run(send_per_sequence([address], burst, streams)) for _ in range(repeats)]
     tokens = sum(len(s) for s in burst.seqs)
-    fractions = [shared / best for shared, _ in runs]
-    seconds = [s for _, s in runs]
+    fractions = [shared / best for shared, _, _ in runs]
+    seconds = [s for _, s, _ in runs]
     return {"shape": burst.shape, "G": burst.G, "P": burst.P, "R": burst.R, "sequences": len(burst.seqs),
-            **labels, "possible": best, "shared": [shared for shared, _ in runs], "fraction": min(fractions),
+            **labels, "possible": best, "shared": [shared for shared, _, _ in runs], "fraction": min(fractions),
             "fraction_median": statistics.median(fractions), "seconds": seconds,
-            "tokens_per_s": tokens / statistics.median(seconds)}
+            "tokens_per_s": tokens / statistics.median(seconds), "lone_idle_ms": 1e3 * idle,
+            "lone_ms": [1e3 * x for _, _, x in runs], "lone_ms_median": 1e3 * statistics.median(x for _, _, x in runs)}
 
 
 def markdown(result: dict) -> str:
     lines = [f"{result['date']} | {result['machine']} | {result['note']}", "",
-             "| shape | G, P, R | sequences | --share-wait-ms | shared / possible (worst, median) | tokens/s |",
-             "|---|---|---:|---:|---:|---:|"]
+             "| shape | G, P, R | sequences | --share-wait-ms | shared / possible (worst, median) | tokens/s | "
+             "lone request ms: idle, in the burst (median) |",
+             "|---|---|---:|---:|---:|---:|---:|"]
     for r in result["rows"]:
         lines.append(f"| {r['shape']} | {r['G']}, {r['P']}, {r['R']} | {r['sequences']} | {r['share_wait_ms']:g} | "
-                     f"{r['fraction']:.2f}, {r['fraction_median']:.2f} | {r['tokens_per_s']:.0f} |")
+                     f"{r['fraction']:.2f}, {r['fraction_median']:.2f} | {r['tokens_per_s']:.0f} | "
+                     f"{r['lone_idle_ms']:.1f}, {r['lone_ms_median']:.1f} |")
     return "\n".join(lines)
 
 
@@ -120,7 +156,8 @@ def one_server(args, bursts: list[Burst]) -> list[dict]:
                 row = measure(address, burst, args.streams, args.repeats, share_wait_ms=wait)
                 rows.append(row)
                 print(f"{burst.shape:>8} wait {wait:g} ms: shared {row['fraction']:.2f} of the possible (worst), "
-                      f"{row['tokens_per_s']:.0f} tokens/s", flush=True)
+                      f"{row['tokens_per_s']:.0f} tokens/s, lone request {row['lone_idle_ms']:.1f} ms idle, "
+                      f"{row['lone_ms_median']:.1f} ms in the burst", flush=True)
         finally:
             proc.terminate()
             proc.wait(60)
