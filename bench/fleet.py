@@ -10,7 +10,8 @@ CPU) it builds `--groups` groups of G sequences sharing a prompt, then for each 
   logprobs asked (prompt_lengths = P), and sums the requests' `shared_prefix_tokens`.
 It reports the fraction of the possible shared and the burst's tokens (all of every sequence) per second, and the
 latency of a lone small request (another client, its own prompt, 96 tokens) sent 0.2 s into each burst, beside
-its latency on the idle server: what a request that is part of no group pays for the groups' gathering.
+its latency on the idle server before any burst: what a request that is part of no group pays for the groups'
+gathering (a burst that ends within 0.2 s, as at a small --scale, gives an idle figure there too).
 Over two replicas through TeacherPool (group affinity against round-robin): bench/fleet_pool.py.
 """
 from __future__ import annotations
@@ -114,14 +115,14 @@ def possible(address: str, burst: Burst) -> int:
         return c.forward(list(burst.seqs), logprobs=True, prompt_lengths=[burst.P] * len(burst.seqs)).shared_prefix_tokens
 
 
-def measure(address: str, burst: Burst, streams: int, repeats: int, **labels) -> dict:
-    """One server, one burst: the possible, then `repeats` per-sequence sends (the first one a warm-up)."""
+def measure(address: str, burst: Burst, streams: int, repeats: int, idle: float, **labels) -> dict:
+    """One server, one burst: the possible, then `repeats` per-sequence sends (the first one a warm-up); `idle`:
+    the lone request's seconds on this server before any burst (no group seen yet: not in grouped mode)."""
     best = possible(address, burst)
     if best == 0:
         raise SystemExit(f"{burst.shape}: P = {burst.P} shares nothing even in one request (under the server's "
                          f"--min-shared-prefix, 64 by default); use a larger --scale")
     asyncio.run(send_per_sequence([address], burst, streams))
-    idle = asyncio.run(idle_lone(address))
     runs = [asyncio.run(send_per_sequence([address], burst, streams)) for _ in range(repeats)]
     tokens = sum(len(s) for s in burst.seqs)
     fractions = [shared / best for shared, _, _ in runs]
@@ -152,8 +153,9 @@ def one_server(args, bursts: list[Burst]) -> list[dict]:
         proc, address = start_server("--demo", "causal", "--demo-shape", args.model_shape, "--dtype", args.dtype,
                                      "--device", args.device, "--share-wait-ms", f"{wait:g}", *args.server_args.split())
         try:
+            idle = asyncio.run(idle_lone(address))
             for burst in bursts:
-                row = measure(address, burst, args.streams, args.repeats, share_wait_ms=wait)
+                row = measure(address, burst, args.streams, args.repeats, idle, share_wait_ms=wait)
                 rows.append(row)
                 print(f"{burst.shape:>8} wait {wait:g} ms: shared {row['fraction']:.2f} of the possible (worst), "
                       f"{row['tokens_per_s']:.0f} tokens/s, lone request {row['lone_idle_ms']:.1f} ms idle, "

@@ -5,7 +5,7 @@ at once: TeacherPool's group affinity against today's client spreading streams r
 starts two `logitserve serve` processes (one torch thread each, --threads 1), sends the agentic shape of
 bench/groups.py (G responses to one prompt, outputs on the responses: prompt_lengths) as groups x G
 one-sequence requests, all in flight, through
-- `TeacherPool([a, b])`: each group's requests to the replica its prompt hashes to;
+- `TeacherPool([a, b])`: each group's requests to one replica (its prompt's key: hashed under a load bound, sticky);
 - round-robin: request i to replica i % 2, what grpc's round_robin does per call (a group over both);
 and reports, interleaved over --repeats, the tokens/s of each and the fraction of the prompt tokens that the
 servers shared (sum of RequestDone.shared_prefix_tokens / groups * (G - 1) * P). Writes

@@ -169,7 +169,7 @@ class AsyncTeacherPool(OutputsMixin):
 
     def group(self, key: GroupKey) -> "AsyncGroup":
         """The same methods, every request under one explicit group key (a prompt id, a uid): all its
-        sequences go to the replica the key hashes to, whatever their tokens."""
+        sequences go to one replica (the key's, as for a prefix key: docs/clients.md), whatever their tokens."""
         return AsyncGroup(self, key)
 
     # ---- routing

@@ -25,7 +25,7 @@ class Routing:
     prefix_tokens: Optional[int] = None
     # A text's key: its first prefix_tokens * chars_per_token characters (the client cannot tokenize).
     chars_per_token: int = 4
-    # The hashed replica is passed over for the least-loaded one only when its in-flight sequences exceed the
+    # A key's replica is passed over for the least-loaded one only when its in-flight sequences exceed the
     # least-loaded's by more than balance_abs AND by a factor over balance_rel: SGLang's and vLLM's routers'
     # cache-aware defaults (64, 1.5), so affinity holds through the imbalance that hashing whole groups makes.
     balance_abs: int = 64
@@ -33,7 +33,8 @@ class Routing:
     # A key new to the pool goes to the first replica of its rendezvous ranking whose in-flight sequences are
     # under ceil(balance_factor * (all in flight + 1) / replicas): consistent hashing with bounded loads (as
     # Envoy's and HAProxy's hash balance factor), so that a burst of a few large groups lands evenly rather than
-    # where the hash falls (4 groups on 2 replicas: 3 + 1 more often than not). None: the hashed replica.
+    # where the hash falls (4 groups on 2 replicas: 3 + 1 or 4 + 0 five times in eight). The loads are this pool's
+    # own, so pools in other processes may place a new key elsewhere. None: the hashed replica, in every process.
     balance_factor: Optional[float] = 1.25
     # A key keeps its replica for sticky_s after its last sequence was routed, so a group's later sequences
     # follow its first ones however the loads moved meanwhile (at most max_keys keys are kept, oldest dropped).
@@ -87,7 +88,8 @@ def ranking(key: bytes, names: Sequence[str]) -> list[str]:
 
 def rendezvous(key: bytes, names: Sequence[str]) -> str:
     """The name that `key` hashes to (highest random weight): when a name leaves, only its keys move; when one
-    joins, it takes about 1/N of every other name's keys. Deterministic across processes."""
+    joins, it takes about 1/N of every other name's keys (those not held by an Affinity). Deterministic across
+    processes."""
     return max(names, key=lambda n: (_score(key, n), n))
 
 
@@ -106,7 +108,7 @@ def least_loaded(loads: Mapping[str, int]) -> str:
 
 
 def overloaded(chosen: int, least: int, rule: Routing) -> bool:
-    """The hashed replica's load is past both bounds of the least-loaded one's."""
+    """The chosen replica's load is past both bounds of the least-loaded one's."""
     return chosen - least > rule.balance_abs and chosen > rule.balance_rel * least
 
 
@@ -156,7 +158,8 @@ class Affinity:
 def plan(keys: Sequence[Key], loads: Mapping[str, int], rule: Routing,
          affinity: Optional[Affinity] = None) -> dict[str, list[int]]:
     """Sequence indices per replica for one request: every sequence of a key to one replica, chosen as the
-    load stands with this request's earlier sequences counted (by `affinity` when given, else `choose`)."""
+    load stands with this request's earlier sequences counted (by `affinity` when given, with its own rule;
+    else `choose` with `rule`)."""
     loads = dict(loads)
     by_key: dict[bytes, str] = {}
     parts: dict[str, list[int]] = {}

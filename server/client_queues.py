@@ -72,25 +72,34 @@ class ClientQueues:
 
     def take_small(self, cap: int, held_after: Optional[float] = None) -> list[Ticket]:
         """Queued jobs of at most `cap` work tokens, that many tokens in all: the clients' oldest in turn (one
-        each per round, from the front of the rotation; a client served goes to its back). A job that belongs to
-        a group arriving in parts stays for a batch with its group (taken alone it would compute the group's
-        prefix once more): one that is a mate, or has a queued mate, or may be a group's first: in grouped mode a
-        shareable job admitted after `held_after` (None: not grouped), so a lone one waits at most that long."""
+        each per round, from the front of the rotation; a client served goes to its back). A job with queued
+        mates (jobs under one of its prefix keys) is taken with all of them or not at all, so the group is not
+        taken apart (apart, its prefix is computed once more); in grouped mode a shareable job admitted after
+        `held_after` (None: not grouped) may be a group's first, and waits (a lone one at most that long)."""
         taken, tokens = [], 0
         while True:
             served = []
             for client, queue in list(self._queues.items()):
-                ticket = queue[0]
-                young = held_after is not None and ticket.admitted > held_after
-                if ticket.shares and (young or ticket.mate or self._keys.shared(ticket.shares)):
+                if not queue:               # emptied in this round: its job went with another's group
                     continue
-                if ticket.work <= cap and tokens + ticket.tokens <= cap:
-                    tokens += ticket.tokens
-                    self.take_out_of_turn(ticket)
-                    taken.append(ticket)
+                together = self._together(queue[0], held_after)
+                n = sum(t.tokens for t in together)
+                if together and all(t.work <= cap for t in together) and tokens + n <= cap:
+                    tokens += n
+                    for t in together:
+                        self.take_out_of_turn(t)
+                    taken += together
                     served.append(client)
             for client in served:
                 if client in self._queues:
                     self._queues.move_to_end(client)
             if not served:
                 return taken
+
+    def _together(self, ticket: Ticket, held_after: Optional[float]) -> list[Ticket]:
+        """The job with its queued mates, in admission order; none while one of them may still be joined by more
+        of its group (admitted after held_after, in grouped mode)."""
+        group = list(self.mates(s.key for s in ticket.shares)) if ticket.shares else [ticket]
+        if held_after is not None and any(t.shares and t.admitted > held_after for t in group):
+            return []
+        return group

@@ -21,9 +21,9 @@
   queued jobs of at most `interject_tokens` work tokens (up to that many in all) run as a batch of their own
   before its next step (server.batch_runner). A heavy job's head steps are cut to about the work
   of a plain one's (logitserve.cost.head_chunk_rows), so the wait is about one step. A job of a group
-  arriving in parts is not taken so: it waits for a batch with its group, which computes the prefix once
-  (ClientQueues.take_small); in grouped mode a shareable job with no mate in sight waits `share_wait_s` for
-  one first, then may run between steps like any small job. While small jobs keep
+  arriving in parts is taken so only with all its queued mates, when they fit together; else it waits for a
+  batch with its group, which computes the prefix once (ClientQueues.take_small); in grouped mode a shareable
+  job waits `share_wait_s` after it arrived for more of its group first. While small jobs keep
   coming (one arrived, or ran between a batch's steps, in the last `short_steps_s`), a batch holding a larger
   job runs in short head steps (Engine.short_step_rows, --short-step-ms), so the step they wait for is short
   too; with none for that long, batches go back to full steps and their throughput.
@@ -46,9 +46,9 @@ from logitserve.spec import Job
 from .admission import UNKNOWN, Tally
 from .batch_runner import BatchRun, Between, Nested, engine_batch_runner  # noqa: F401 (engine_batch_runner: re-export)
 from .client_queues import ClientQueues
+from .config import SchedulerConfig
 from .grouping import GROUPED_S, Gathering, Shareable, close_time
 from .held_bytes import HeldBytes
-from .config import SchedulerConfig
 from .ticket import DONE, Failed, Gone, Ticket
 
 
@@ -280,7 +280,7 @@ class Scheduler:
                 small = self._queues.take_small(c.interject_tokens, held_after)
             if not small:
                 return None
-            self._small_seen = time.monotonic()
+            self._small_seen = max(self._small_seen, time.monotonic())   # admit() writes it too, under the lock
 
             def nested(run_batch: BatchRun) -> None:
                 try:

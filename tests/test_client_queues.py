@@ -82,14 +82,19 @@ def test_a_group_arriving_in_parts_is_not_taken_apart_for_interjection(loop):
     q.append(lone)
     assert q.take_small(1024) == [first, lone]          # no mate queued: each may run between another's steps
     q.append(first)
-    q.append(_member(loop, "c", prompt, mate=True))     # its group's next part arrives
+    second = _member(loop, "c", prompt, mate=True)     # its group's next part arrives
+    q.append(second)
     plain = _ticket(loop, "d", 16)                       # too short to share: a polite small request
     q.append(plain)
-    assert q.take_small(1024) == [plain]                 # the group's parts wait for a batch together
+    assert q.take_small(400) == [plain]                  # one part fits 400 tokens, the two do not: they wait
+    assert q.take_small(1024) == [first, second] and not q   # both fit: taken together (one prefix in their batch)
     q.append(lone)
     assert q.take_small(1024, held_after=lone.admitted - 0.005) == []   # grouped mode: a shareable job may be a
     assert q.take_small(1024, held_after=lone.admitted) == [lone]        # group's first until the window has passed
-    assert len(q) == 2
+    q.append(first)
+    q.append(second)
+    assert q.take_small(1024, held_after=second.admitted - 0.005) == []  # a part still in the window holds its
+    assert len(q) == 2                                                    # queued mates back too
 
 
 def test_held_bytes_refuse_past_the_budget_and_past_a_clients_share():

@@ -71,16 +71,19 @@ def test_a_small_job_runs_between_a_long_batchs_steps():
     assert done == ["big", "small"], done
 
 
-def _lone_vs_group(share_wait_s: float) -> tuple[list[str], list]:
+def _lone_vs_group(share_wait_s: float, interject_tokens: int) -> tuple[list[str], list, int]:
     """A 64-token job of 30 steps runs; two parts of a group (one prompt, sent apart) then a lone shareable job of
-    another prompt arrive: which finish before the long one (the fake's steps by length: 120 group, 110 lone)."""
+    another prompt arrive: the order they finish in, the fake's log (steps by length: 120 group, 110 lone), and
+    the log's length when the lone job was admitted."""
     from logitserve.server.grouping import shareables
 
     log: list = []
     scheduler = Scheduler(engine_batch_runner(_steps_of({64: 30, 120: 1, 110: 1}, log)),
-                          SchedulerConfig(batch_delay_s=0.0, interject_after_s=0.02, share_wait_s=share_wait_s),
+                          SchedulerConfig(batch_delay_s=0.0, interject_after_s=0.02, share_wait_s=share_wait_s,
+                                          interject_tokens=interject_tokens),
                           shares=lambda job: shareables(job, 64, 1000))
     done: list[str] = []
+    admitted: list[int] = []
     rng = np.random.default_rng(0)
     prompt, other = rng.integers(3, 1000, 100, dtype=np.int32), rng.integers(3, 1000, 100, dtype=np.int32)
 
@@ -99,6 +102,7 @@ def _lone_vs_group(share_wait_s: float) -> tuple[list[str], list]:
             await asyncio.sleep(0.002)
         parts = [asyncio.create_task(one(f"part{i}", job(prompt, 120))) for i in range(2)]
         await asyncio.sleep(0.01)
+        admitted.append(len(log))
         await one("lone", job(other, 110))
         await asyncio.gather(big, *parts)
     try:
@@ -106,16 +110,24 @@ def _lone_vs_group(share_wait_s: float) -> tuple[list[str], list]:
     finally:
         scheduler.shutdown()
         scheduler.join(5.0)
-    return done, log
+    return done, log, admitted[0]
 
 
 @pytest.mark.unit
 def test_a_lone_shareable_job_waits_only_the_share_window_while_a_group_waits_for_its_batch():
-    done, log = _lone_vs_group(0.03)
+    """Grouped mode (a group came in parts): the lone job runs between the long job's steps once the share window
+    (50 ms: 5 steps of 10 ms) has passed; the group's two parts, together over --interject-tokens, wait for a batch
+    of their own; under it, they run between the steps too, together."""
+    done, log, admitted = _lone_vs_group(0.05, 200)
     assert done.index("lone") < done.index("big") < done.index("part0"), done    # the group is not taken apart
     assert log.count((120, 0)) == 2 and log.index((120, 0)) > log.index((64, 29)), log
     lone_at = log.index((110, 0))
-    assert 0 < lone_at < log.index((64, 29)), log                                  # the lone one ran between steps
+    assert lone_at < log.index((64, 29)), log                                      # the lone one ran between steps
+    assert lone_at - admitted >= 3, (admitted, log)                                # after the window, not at once
+    done, log, _ = _lone_vs_group(0.05, 1024)
+    assert done.index("part1") < done.index("big") and log.index((120, 0)) < log.index((64, 29)), (done, log)
+    at = log.index((120, 0))
+    assert log[at + 1] == (120, 0), log                                            # one nested batch, both parts
 
 
 @pytest.mark.unit
