@@ -8,10 +8,15 @@ their client. Not thread-safe: the scheduler holds its lock around every call.
 from __future__ import annotations
 
 import collections
+import itertools
 from typing import Iterator, Optional
 
 from .grouping import QueuedKeys, Shareable
 from .ticket import Ticket
+
+# Queued jobs of one client that take_small looks at per round: past the group parts that wait for their batch and
+# the jobs over the cap at its front (every connection of a host is one client), so a small one behind them still runs.
+SCAN = 64
 
 
 class ClientQueues:
@@ -72,7 +77,8 @@ class ClientQueues:
 
     def take_small(self, cap: int, held_after: Optional[float] = None) -> list[Ticket]:
         """Queued jobs of at most `cap` work tokens, that many tokens in all: the clients' oldest in turn (one
-        each per round, from the front of the rotation; a client served goes to its back). A job with queued
+        each per round, from the front of the rotation; a client served goes to its back; within a client, the
+        first of its oldest SCAN jobs that may be taken and fits). A job with queued
         mates (jobs under one of its prefix keys) is taken with all of them or not at all, so the group is not
         taken apart (apart, its prefix is computed once more); in grouped mode a shareable job admitted after
         `held_after` (None: not grouped) may be a group's first, and waits (a lone one at most that long)."""
@@ -80,12 +86,9 @@ class ClientQueues:
         while True:
             served = []
             for client, queue in list(self._queues.items()):
-                if not queue:               # emptied in this round: its job went with another's group
-                    continue
-                together = self._together(queue[0], held_after)
-                n = sum(t.tokens for t in together)
-                if together and all(t.work <= cap for t in together) and tokens + n <= cap:
-                    tokens += n
+                together = self._first_small(queue, cap, cap - tokens, held_after)
+                if together:
+                    tokens += sum(t.tokens for t in together)
                     for t in together:
                         self.take_out_of_turn(t)
                     taken += together
@@ -95,6 +98,15 @@ class ClientQueues:
                     self._queues.move_to_end(client)
             if not served:
                 return taken
+
+    def _first_small(self, queue, cap: int, room: int, held_after: Optional[float]) -> list[Ticket]:
+        """The first of a client's oldest SCAN jobs (with its queued mates) that may be taken: each of at most `cap`
+        work tokens, `room` tokens in all; none when there is no such job (a queue emptied this round has none)."""
+        for ticket in itertools.islice(queue, SCAN):
+            together = self._together(ticket, held_after)
+            if together and all(t.work <= cap for t in together) and sum(t.tokens for t in together) <= room:
+                return together
+        return []
 
     def _together(self, ticket: Ticket, held_after: Optional[float]) -> list[Ticket]:
         """The job with its queued mates, in admission order; none while one of them may still be joined by more

@@ -97,6 +97,19 @@ def test_a_group_arriving_in_parts_is_not_taken_apart_for_interjection(loop):
     assert len(q) == 2                                                    # queued mates back too
 
 
+def test_a_clients_small_job_is_taken_past_its_group_parts_and_large_jobs(loop):
+    """Every connection of a host is one client: a small job behind that client's waiting group parts and a large
+    job still runs between steps (only the front of each queue was looked at: it waited for the whole batch)."""
+    prompt = np.arange(200, dtype=np.int32)
+    q = ClientQueues()
+    parts = [_member(loop, "host", prompt), _member(loop, "host", prompt, mate=True)]   # 480 tokens together
+    big, small = _ticket(loop, "host", 2000), _ticket(loop, "host", 16)
+    for t in (*parts, big, small):
+        q.append(t)
+    assert q.take_small(400) == [small]
+    assert q.take_small(400) == [] and len(q) == 3
+
+
 def test_held_bytes_refuse_past_the_budget_and_past_a_clients_share():
     held = HeldBytes(1000, 500)
     held.add("a", 400)

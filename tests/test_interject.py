@@ -71,10 +71,10 @@ def test_a_small_job_runs_between_a_long_batchs_steps():
     assert done == ["big", "small"], done
 
 
-def _lone_vs_group(share_wait_s: float, interject_tokens: int) -> tuple[list[str], list, int]:
+def _lone_vs_group(share_wait_s: float, interject_tokens: int, one_client: bool = False) -> tuple[list[str], list, int]:
     """A 64-token job of 30 steps runs; two parts of a group (one prompt, sent apart) then a lone shareable job of
     another prompt arrive: the order they finish in, the fake's log (steps by length: 120 group, 110 lone), and
-    the log's length when the lone job was admitted."""
+    the log's length when the lone job was admitted. `one_client`: all from one host (one client, one queue)."""
     from logitserve.server.grouping import shareables
 
     log: list = []
@@ -92,7 +92,7 @@ def _lone_vs_group(share_wait_s: float, interject_tokens: int) -> tuple[list[str
         return Job(sequences=(ids,), logprobs=LogprobsOpts(), prompt_lengths=(len(head),))
 
     async def one(name: str, j: Job) -> None:
-        async for _ in scheduler.stream(j, client=name):
+        async for _ in scheduler.stream(j, client="host" if one_client else name):
             pass
         done.append(name)
 
@@ -124,6 +124,8 @@ def test_a_lone_shareable_job_waits_only_the_share_window_while_a_group_waits_fo
     lone_at = log.index((110, 0))
     assert lone_at < log.index((64, 29)), log                                      # the lone one ran between steps
     assert lone_at - admitted >= 3, (admitted, log)                                # after the window, not at once
+    done, log, admitted = _lone_vs_group(0.05, 200, one_client=True)               # behind the parts in one queue
+    assert done.index("lone") < done.index("big") < done.index("part0"), done
     done, log, _ = _lone_vs_group(0.05, 1024)
     assert done.index("part1") < done.index("big") and log.index((120, 0)) < log.index((64, 29)), (done, log)
     at = log.index((120, 0))
