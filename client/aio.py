@@ -89,6 +89,7 @@ class AsyncTeacherClient(OutputsMixin):
         self._ids = itertools.count()
         self._turn = itertools.count()
         self._open_lock = asyncio.Lock()
+        self._closed = False
 
     async def __aenter__(self) -> "AsyncTeacherClient":
         return self
@@ -97,6 +98,8 @@ class AsyncTeacherClient(OutputsMixin):
         await self.close()
 
     async def close(self) -> None:
+        """Cancel every stream (requests in flight end CANCELLED "client closed"), then close the channel."""
+        self._closed = True
         live = [s for s in self._streams if s is not None] + list(self._retired)
         for s in live:
             s.call.cancel()
@@ -191,6 +194,8 @@ class AsyncTeacherClient(OutputsMixin):
     async def _submit_once(self, slot: int, seqs: Sequence, wanted: Wanted, bf16_as_torch: bool):
         rid = f"r{next(self._ids)}"
         req = build_request(rid, seqs, wanted)
+        if self._closed:
+            raise _closed()
         stream = await self._stream(slot)
         fut = asyncio.get_running_loop().create_future()
         assembly = Assembly(len(req.sequences) or len(req.texts), wanted_fields(req), bf16_as_torch)
@@ -200,13 +205,15 @@ class AsyncTeacherClient(OutputsMixin):
         try:
             await asyncio.shield(send)
         except (grpc.RpcError, asyncio.InvalidStateError) as e:
-            stream.pending.pop(rid, None)
+            _drop(stream, rid)
             self._retire(slot, stream)
+            if self._closed:
+                raise _closed() from None
             error = _stream_error(e) if isinstance(e, grpc.RpcError) else \
                 LogitServeError(grpc.StatusCode.UNAVAILABLE, "stream closed")
             raise Resendable(error) if error.code == grpc.StatusCode.UNAVAILABLE else error from None
         except asyncio.CancelledError:
-            stream.pending.pop(rid, None)
+            _drop(stream, rid)
             send.add_done_callback(lambda t: t.exception() is None and asyncio.ensure_future(self._cancel(stream, rid)))
             raise
         try:
@@ -262,7 +269,7 @@ class AsyncTeacherClient(OutputsMixin):
         except grpc.RpcError as e:
             error = _stream_error(e)
         except asyncio.CancelledError:
-            error = LogitServeError(grpc.StatusCode.CANCELLED, "client closed")
+            error = _closed()
         finally:
             self._retired.discard(stream)
             for _, fut in list(stream.pending.values()):
@@ -284,6 +291,19 @@ class AsyncTeacherClient(OutputsMixin):
                 fut.set_exception(LogitServeError.from_code(resp.error.code, resp.error.message))
         except LogitServeError as e:
             fut.set_exception(e)
+
+
+def _closed() -> LogitServeError:
+    """What a request of a closed client ends with (a new exception each time: one raised in many tasks would
+    gather their tracebacks)."""
+    return LogitServeError(grpc.StatusCode.CANCELLED, "client closed")
+
+
+def _drop(stream: _Stream, rid: str) -> None:
+    """Forget a request whose answer no one will await; an error its stream already set on it counts as seen."""
+    entry = stream.pending.pop(rid, None)
+    if entry is not None and entry[1].done() and not entry[1].cancelled():
+        entry[1].exception()
 
 
 # What grpc.aio sets as the call's status when a write finds the call already ended in gRPC core.

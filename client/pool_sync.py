@@ -1,4 +1,4 @@
-"""TeacherPool: the blocking twin of AsyncTeacherPool, driven on a private event-loop thread as TeacherClient."""
+"""TeacherPool: the blocking twin of AsyncTeacherPool, driven on the process's client event-loop thread as TeacherClient."""
 from __future__ import annotations
 
 import asyncio

@@ -1,14 +1,34 @@
-"""TeacherClient: the blocking client, an AsyncTeacherClient driven on a private event-loop thread."""
+"""TeacherClient: the blocking client, an AsyncTeacherClient driven on the process's client event-loop thread."""
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import os
 import threading
-from typing import Sequence
+from typing import Optional, Sequence
 
 from .aio import AsyncTeacherClient
 from .api import ModelInfo, OutputsMixin
 from .wire import Wanted
+
+
+_LOCK = threading.Lock()
+_SHARED: Optional[tuple[int, asyncio.AbstractEventLoop, threading.Thread]] = None   # (pid, loop, its thread)
+
+
+def client_loop() -> asyncio.AbstractEventLoop:
+    """The one event loop every blocking client of this process runs on, in a daemon thread, never closed.
+    grpc.aio's poller serves every loop that ever made a channel and delivers each call's late events (a cancelled
+    stream's status) to that call's loop: a loop per client, closed with it, made those land on a closed loop
+    ("Event loop is closed" from another client's loop). A forked child gets a loop of its own."""
+    global _SHARED
+    with _LOCK:
+        if _SHARED is None or _SHARED[0] != os.getpid() or not _SHARED[2].is_alive():
+            loop = asyncio.new_event_loop()
+            thread = threading.Thread(target=loop.run_forever, name="logitserve-client", daemon=True)
+            thread.start()
+            _SHARED = (os.getpid(), loop, thread)
+        return _SHARED[1]
 
 
 class TeacherClient(OutputsMixin):
@@ -19,9 +39,8 @@ class TeacherClient(OutputsMixin):
     def __init__(self, address: str, wait_ready: float | None = None, **options):
         """`options` as AsyncTeacherClient's; `wait_ready`: wait up to this many seconds for the server to finish
         starting (see `wait_ready()`) before returning."""
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="logitserve-client", daemon=True)
-        self._thread.start()
+        self._loop = client_loop()
+        self._closed = False
 
         async def make() -> AsyncTeacherClient:
             return self._async_class(address, **options)
@@ -38,7 +57,15 @@ class TeacherClient(OutputsMixin):
         return self._run(self._aio.wait_ready(timeout_s))
 
     def _run(self, coro):
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+        return self._wait(asyncio.run_coroutine_threadsafe(coro, self._loop))
+
+    def _wait(self, future: concurrent.futures.Future):
+        """The future's result; refused (not a silent hang) on the client loop's own thread, e.g. in a callback."""
+        if threading.current_thread() is _SHARED[2] and _SHARED[0] == os.getpid():
+            future.cancel()
+            raise RuntimeError("a blocking TeacherClient call on the clients' event-loop thread (in a callback of a "
+                               "submitted request?) would wait forever: use AsyncTeacherClient there, or another thread")
+        return future.result()
 
     def __enter__(self) -> "TeacherClient":
         return self
@@ -47,20 +74,11 @@ class TeacherClient(OutputsMixin):
         self.close()
 
     def close(self) -> None:
-        if self._loop.is_closed():
+        """Close this client's streams and channel (the shared loop goes on serving the process's other clients)."""
+        if self._closed:
             return
-        self._run(self._close_all())
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join()
-        self._loop.close()
-
-    async def _close_all(self) -> None:
-        """Close the client, then let grpc's own tasks finish so none dies pending with the loop."""
-        await self._aio.close()
-        others = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
-        for t in others:
-            t.cancel()
-        await asyncio.gather(*others, return_exceptions=True)
+        self._closed = True
+        self._run(self._aio.close())
 
     def model_info(self, timeout: float | None = None) -> ModelInfo:
         return self._run(self._aio.model_info(timeout))
@@ -84,4 +102,4 @@ class TeacherClient(OutputsMixin):
         return asyncio.run_coroutine_threadsafe(self._aio.submit(seqs, wanted, bf16_as_torch), self._loop)
 
     def _request(self, seqs: Sequence, wanted: Wanted, pick, bf16_as_torch: bool = False):
-        return pick(self.submit(seqs, wanted, bf16_as_torch).result())
+        return pick(self._wait(self.submit(seqs, wanted, bf16_as_torch)))

@@ -143,6 +143,46 @@ def test_one_pass_gives_every_output_with_model_identity(causal):
         assert_close(fl, z[:, :10].numpy())
 
 
+def test_blocking_clients_share_one_loop_and_closing_one_leaves_the_others_exact(llama_server, llama_ref, caplog):
+    """Every TeacherClient of a process runs on one event-loop thread that is never closed: a client closed with
+    requests in flight leaves no grpc event bound for a closed loop ("Event loop is closed", logged from the
+    other clients' loop when each client had its own), and a blocking call on that thread is refused, not hung."""
+    import asyncio
+    import concurrent.futures
+    import logging
+
+    from logitserve.client import TeacherClient, Wanted
+
+    seq = random_seqs(np.random.default_rng(3), [40])[0]
+    want = ref_token_logprobs(llama_ref.logits(seq), seq)
+    a, b = TeacherClient(llama_server.address), TeacherClient(llama_server.address)
+    try:
+        assert a._loop is b._loop
+        with caplog.at_level(logging.ERROR, logger="asyncio"):
+            for _ in range(3):
+                pending = [a.submit([seq], Wanted(logprobs=True)) for _ in range(4)]
+                a.close()                                    # its streams cancelled with requests in flight
+                assert not concurrent.futures.wait(pending, timeout=30).not_done      # none left hanging
+                for f in pending:                            # each answered exactly, or ended "client closed"
+                    if f.exception() is None:
+                        assert_close(f.result().logprobs[0], want)
+                    else:
+                        assert "CANCELLED: client closed" in str(f.exception()), f.exception()
+                for _ in range(3):
+                    assert_close(b.logprobs([seq])[0], want)
+                a = TeacherClient(llama_server.address)
+        assert not [r for r in caplog.records if "closed" in r.getMessage() + str(r.exc_info)], caplog.records
+
+        async def on_the_loop():
+            with pytest.raises(RuntimeError, match="event-loop thread"):
+                b.logprobs([seq])
+        asyncio.run_coroutine_threadsafe(on_the_loop(), b._loop).result(timeout=30)
+        assert_close(b.logprobs([seq])[0], want)
+    finally:
+        a.close()
+        b.close()
+
+
 def test_many_requests_in_flight_on_one_stream(client, llama_ref):
     from logitserve.client import Wanted
 
