@@ -50,6 +50,7 @@ class _Stream:
         self.pending: dict[str, tuple[Assembly, asyncio.Future]] = {}
         self.write_lock = asyncio.Lock()   # grpc.aio allows one write at a time per stream
         self.reader: Optional[asyncio.Task] = None
+        self.writes: set[asyncio.Task] = set()   # writes under way (one on a cancelled call may never end)
 
     @property
     def usable(self) -> bool:
@@ -104,6 +105,10 @@ class AsyncTeacherClient(OutputsMixin):
         for s in live:
             s.call.cancel()
         await asyncio.gather(*(s.reader for s in live if s.reader is not None), return_exceptions=True)
+        writes = [w for s in live for w in s.writes]
+        for w in writes:
+            w.cancel()
+        await asyncio.gather(*writes, return_exceptions=True)
         await self._channel.close()
 
     async def wait_ready(self, timeout_s: float = 600.0) -> ModelInfo:
@@ -202,6 +207,8 @@ class AsyncTeacherClient(OutputsMixin):
         stream.pending[rid] = (assembly, fut)
         # A write interrupted half way would break the whole stream: a cancel during it lets it finish.
         send = asyncio.ensure_future(self._write(stream, req))
+        stream.writes.add(send)
+        send.add_done_callback(stream.writes.discard)
         try:
             await asyncio.shield(send)
         except (grpc.RpcError, asyncio.InvalidStateError) as e:
@@ -214,6 +221,8 @@ class AsyncTeacherClient(OutputsMixin):
             raise Resendable(error) if error.code == grpc.StatusCode.UNAVAILABLE else error from None
         except asyncio.CancelledError:
             _drop(stream, rid)
+            if self._closed and send.cancelled():    # close() stopped the write: the request ends "client closed"
+                raise _closed() from None
             send.add_done_callback(lambda t: t.exception() is None and asyncio.ensure_future(self._cancel(stream, rid)))
             raise
         try:
