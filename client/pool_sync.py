@@ -9,7 +9,7 @@ from .agreement import Agreement
 from .api import OutputsMixin
 from .pool import AsyncTeacherPool, GroupKey
 from .replica import ReplicaState
-from .sync import TeacherClient
+from .sync import TeacherClient, result_off_loop
 from .wire import Wanted
 
 
@@ -62,4 +62,4 @@ class Group(OutputsMixin):
         return self._pool.submit(seqs, wanted, bf16_as_torch, self._key)
 
     def _request(self, seqs: Sequence, wanted: Wanted, pick, bf16_as_torch: bool = False):
-        return pick(self.submit(seqs, wanted, bf16_as_torch).result())
+        return pick(result_off_loop(self.submit(seqs, wanted, bf16_as_torch)))

@@ -31,6 +31,16 @@ def client_loop() -> asyncio.AbstractEventLoop:
         return _SHARED[1]
 
 
+def result_off_loop(future: concurrent.futures.Future):
+    """A blocking client's wait for a future's result; refused (not a silent hang) on the client loop's own thread,
+    e.g. in a callback of a submitted request, where the result could never arrive."""
+    if _SHARED is not None and threading.current_thread() is _SHARED[2] and _SHARED[0] == os.getpid():
+        future.cancel()
+        raise RuntimeError("a blocking TeacherClient call on the clients' event-loop thread (in a callback of a "
+                           "submitted request?) would wait forever: use AsyncTeacherClient there, or another thread")
+    return future.result()
+
+
 class TeacherClient(OutputsMixin):
     """`with TeacherClient("host:port") as c: lp = c.logprobs([[1, 2, 3]])`; thread-safe."""
 
@@ -57,15 +67,7 @@ class TeacherClient(OutputsMixin):
         return self._run(self._aio.wait_ready(timeout_s))
 
     def _run(self, coro):
-        return self._wait(asyncio.run_coroutine_threadsafe(coro, self._loop))
-
-    def _wait(self, future: concurrent.futures.Future):
-        """The future's result; refused (not a silent hang) on the client loop's own thread, e.g. in a callback."""
-        if threading.current_thread() is _SHARED[2] and _SHARED[0] == os.getpid():
-            future.cancel()
-            raise RuntimeError("a blocking TeacherClient call on the clients' event-loop thread (in a callback of a "
-                               "submitted request?) would wait forever: use AsyncTeacherClient there, or another thread")
-        return future.result()
+        return result_off_loop(asyncio.run_coroutine_threadsafe(coro, self._loop))
 
     def __enter__(self) -> "TeacherClient":
         return self
@@ -102,4 +104,4 @@ class TeacherClient(OutputsMixin):
         return asyncio.run_coroutine_threadsafe(self._aio.submit(seqs, wanted, bf16_as_torch), self._loop)
 
     def _request(self, seqs: Sequence, wanted: Wanted, pick, bf16_as_torch: bool = False):
-        return pick(self._wait(self.submit(seqs, wanted, bf16_as_torch)))
+        return pick(result_off_loop(self.submit(seqs, wanted, bf16_as_torch)))

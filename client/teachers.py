@@ -13,6 +13,7 @@ from typing import Any, Sequence
 from .api import OutputsMixin
 from .assemble import ForwardResult
 from .errors import LogitServeError
+from .sync import result_off_loop
 from .wire import Wanted
 
 # ForwardResult's fields that hold one entry per sequence (reordered on merge); the rest describe a whole answer
@@ -224,7 +225,7 @@ class Teachers(_Teachers):
         return out
 
     def _request(self, seqs, wanted, pick, bf16_as_torch=False, teacher=()):
-        return pick(self.submit(seqs, wanted, teacher, bf16_as_torch).result())
+        return pick(result_off_loop(self.submit(seqs, wanted, teacher, bf16_as_torch)))
 
     def close(self) -> None:
         for c in self._clients.values():
