@@ -22,7 +22,7 @@ def _serve_parser(sub, formatter) -> None:
     p.add_argument("--step-separator", default=None, metavar="TOKEN",
                    help="token-classification (process reward) models: the token that ends a step, as the "
                         "vocabulary spells it (e.g. '<extra_0>') or its id, for step_scores requests that name none")
-    p.add_argument("--demo-shape", choices=["demo", "body", "1b", "wide"], default="demo",
+    p.add_argument("--demo-shape", choices=["demo", "body", "1b", "wide", "tiny"], default="demo",
                    help="the demo's shape: demo (lm_head-heavy), body (8 layers, hidden 768), 1b (for GPUs), "
                         "wide (vocab 151936, hidden 1024)")
     p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32", help="weights and activations")
@@ -160,7 +160,7 @@ def _export_parser(sub, formatter) -> None:
                        formatter_class=formatter)
     e.add_argument("directory")
     e.add_argument("--kind", choices=["causal", "reward", "prm"], default="causal")
-    e.add_argument("--shape", choices=["demo", "body", "1b", "wide"], default="demo")
+    e.add_argument("--shape", choices=["demo", "body", "1b", "wide", "tiny"], default="demo")
 
 
 # torch first and pinned: with no torch present, pip would pick a multi-GB CUDA build for the extras

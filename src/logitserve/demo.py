@@ -2,8 +2,9 @@
 
 Shapes: `demo` (the default: 2 layers, hidden 256, its cost mostly the lm_head), `body`
 (8 layers, hidden 768: a body-heavy shape for benchmarks) and `1b` (16 layers, hidden
-2048, ~1.1B parameters, saved in bf16: for GPU checks) and `wide` (2 layers, hidden 1024, Qwen's
-151936-token vocabulary: full-vocab benchmarks). All are built locally, no download.
+2048, ~1.1B parameters, saved in bf16: for GPU checks), `wide` (2 layers, hidden 1024, Qwen's
+151936-token vocabulary: full-vocab benchmarks) and `tiny` (1 layer, hidden 64, vocabulary 1024: compute
+negligible, so a benchmark on it measures the host's cost per request, sequence and step). All are built locally, no download.
 """
 from __future__ import annotations
 
@@ -25,9 +26,10 @@ DEMO_SHAPES = {
     "body": (768, 2048, 8, 12, 4, "float32"),
     "1b": (2048, 5632, 16, 32, 8, "bfloat16"),
     "wide": (1024, 2816, 2, 16, 8, "float32"),
+    "tiny": (64, 128, 1, 4, 2, "float32"),
 }
 # shape -> vocabulary size when not 32000: `wide` has Qwen's 151936 (full-vocab benchmarks: bench/full_vocab.py)
-DEMO_VOCAB = {"wide": 151936}
+DEMO_VOCAB = {"wide": 151936, "tiny": 1024}
 
 
 def demo_config(kind: str, shape: str = "demo"):
