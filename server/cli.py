@@ -24,7 +24,7 @@ def _serve_parser(sub, formatter) -> None:
                         "vocabulary spells it (e.g. '<extra_0>') or its id, for step_scores requests that name none")
     p.add_argument("--demo-shape", choices=["demo", "body", "1b", "wide", "tiny"], default="demo",
                    help="the demo's shape: demo (lm_head-heavy), body (8 layers, hidden 768), 1b (for GPUs), "
-                        "wide (vocab 151936, hidden 1024)")
+                        "wide (vocab 151936, hidden 1024), tiny (1 layer, hidden 64, vocab 1024: the host's cost alone)")
     p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32", help="weights and activations")
     p.add_argument("--logprob-chunk-size", type=int, default=512, help="logits rows materialized at a time")
     p.add_argument("--step-target-ms", type=float, default=0.0, metavar="MS",
