@@ -71,10 +71,12 @@ def scheme_of(qc) -> Optional[QuantScheme]:
         return _fp8(qc)
     if method == "compressed-tensors":
         return _compressed_tensors(qc)
+    if not method:
+        raise QuantError(f"config.json quantization_config has no quant_method; {SERVED}")
     known = _known_methods()
-    what = f"quant_method {method!r}" if method else "no quant_method"
     kind = "is not served" if method in known else "is unknown (transformers knows " + ", ".join(known) + ")"
-    raise QuantError(f"config.json quantization_config: {what} {kind}; {SERVED}. Dequantize it to bf16 first")
+    raise QuantError(f"config.json quantization_config: quant_method {method!r} {kind}; {SERVED}. "
+                     f"Dequantize it to bf16 first")
 
 
 def _known_methods() -> list[str]:
