@@ -208,7 +208,7 @@ class Checkpoint:
         row_bytes = max(1, math.prod(shape[1:]) * 4)      # at most 4 bytes an element, in the file or the copy
         block = max(1, READ_BLOCK_BYTES // row_bytes)
         if not shape or shape[0] <= block:
-            return self._read(key, None, 0, 1).to(device=device, dtype=dtype, copy=True)
+            return self._read(key, None, 0, 1).to(device=device, dtype=dtype, copy=key not in self.scales)
         out = torch.empty(shape, dtype=dtype, device=device)
         for a in range(0, shape[0], block):
             out[a : a + block] = self.read_rows(key, a, min(a + block, shape[0]))

@@ -52,9 +52,13 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, scheme: QuantScheme, index:
     bm, bk = scheme.block
     rows, cols = index[-2], index[-1]
     n, k = w.shape[-2:]
-    s = s.repeat_interleave(bm, -2).narrow(-2, rows.start % bm, n)      # [..., n, kb]
-    s = s.repeat_interleave(bk, -1).narrow(-1, cols.start % bk, k)      # [..., n, k]
-    return w.mul_(s)
+    s = s.repeat_interleave(bm, -2).narrow(-2, rows.start % bm, n)      # [..., n, kb]: rows only, never [n, k]
+    a, j = 0, 0
+    while a < k:                                                       # one column block at a time, in place
+        b = min(k, a + bk - (cols.start + a) % bk)
+        w[..., a:b].mul_(s[..., j : j + 1])
+        a, j = b, j + 1
+    return w
 
 
 def aligned(scheme: QuantScheme, index: tuple[slice, ...], shape: tuple[int, ...]) -> Optional[str]:

@@ -187,7 +187,8 @@ class _Reader:
         if shard is None and not src.merge and len(src.keys) == 1:
             return self.ckpt.read_whole(src.keys[0][2], dtype, self.device)
         value = self.ckpt.read(name, src, shard, self.place.rank, self.place.tp)
-        return value.to(device=self.device, dtype=dtype, copy=True)
+        fresh = all(k in self.ckpt.scales for _, _, k in src.keys)    # dequantized: a tensor of its own already
+        return value.to(device=self.device, dtype=dtype, copy=not fresh)
 
     def _split_embedding(self, embedding: nn.Embedding) -> None:
         ename = next(n for n, p in self.model.named_parameters() if p is embedding.weight)
