@@ -30,6 +30,22 @@ def _moe(directory):
     return directory
 
 
+def _deepseek(directory):
+    """DeepSeek-V3's architecture in small: MLA attention (q and kv low-rank projections, a rope part, v head dim
+    below qk's), one dense layer then a MoE layer with a shared expert and the biased top-k router."""
+    import transformers as tf
+
+    cfg = tf.DeepseekV3Config(vocab_size=1003, hidden_size=80, intermediate_size=160, moe_intermediate_size=40,
+                              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1,
+                              n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1,
+                              first_k_dense_replace=1, q_lora_rank=48, kv_lora_rank=32, qk_rope_head_dim=16,
+                              qk_nope_head_dim=16, v_head_dim=16, max_position_embeddings=512, initializer_range=0.1,
+                              pad_token_id=0, tie_word_embeddings=False)
+    torch.manual_seed(3)
+    tf.DeepseekV3ForCausalLM(cfg).float().eval().save_pretrained(directory)
+    return directory
+
+
 @pytest.fixture(scope="module")
 def fp8_dirs(tmp_path_factory):
     """name -> (FP8 checkpoint, its dequantized float model)."""
@@ -39,6 +55,7 @@ def fp8_dirs(tmp_path_factory):
     out = {fmt: quantize_dir(llama, root / f"{fmt}-q", root / f"{fmt}-d", fmt, BLOCK)
            for fmt in ("block", "channel", "tensor")}
     out["moe"] = quantize_dir(_moe(root / "moe"), root / "moe-q", root / "moe-d", "block", BLOCK)
+    out["deepseek"] = quantize_dir(_deepseek(root / "ds"), root / "ds-q", root / "ds-d", "block", BLOCK)
     out["rowwise"] = quantize_dir(small, root / "rowwise-q", root / "rowwise-d", "channel")
     return out
 
@@ -63,11 +80,12 @@ def test_tp1_equals_float64_on_the_dequantized_weights(fp8_dirs, fmt):
 
 @pytest.mark.multi_process
 @pytest.mark.parametrize("name,layout", [("block", "--tp"), ("channel", "--tp"), ("block", "--pp"),
-                                         ("tensor", "--pp"), ("moe", "--tp")])
+                                         ("tensor", "--pp"), ("moe", "--tp"), ("deepseek", "--tp"),
+                                         ("deepseek", "--pp")])
 def test_sharded_layouts_equal_float64_on_the_dequantized_weights(fp8_dirs, name, layout):
     """Each rank reads its slices of the FP8 weights and of the scales covering them (block edges cut mid-block by the
-    tp 2 split of rows and columns), or only its stage's layers; the MoE's per-expert FP8 weights merge into the fused
-    experts dequantized."""
+    tp 2 split of rows and columns), or only its stage's layers; the MoEs' per-expert FP8 weights merge into the fused
+    experts dequantized, each rank its slice of every expert (Qwen3-MoE; DeepSeek-V3 with MLA and a shared expert)."""
     quantized, dequantized = fp8_dirs[name]
     server = CliServer("--model", str(quantized), layout, "2", "--logprob-chunk-size", "16")
     try:
@@ -189,3 +207,44 @@ def test_a_quantized_lm_head_is_dequantized_to_the_serving_dtype(fp8_dirs, tmp_p
         check_every_output(server.address, Reference(d_dir), random_seqs(np.random.default_rng(8), SEQS))
     finally:
         server.stop()
+
+
+def _rank_experts(rank: int, port: int, directory: str, out) -> None:
+    import datetime
+    import os
+
+    import torch.distributed as dist
+
+    from logitserve.loading import load_sharded
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=120))
+    loaded, _ = load_sharded(directory, "fp32", torch.device("cpu"), rank, 2, dist.group.WORLD)
+    experts = loaded.model.model.layers[1].mlp.experts
+    got = [None, None]
+    dist.all_gather_object(got, (experts.gate_up_proj.numpy().copy(), experts.down_proj.numpy().copy()))
+    if rank == 0:
+        out.put(got)
+    dist.destroy_process_group()
+
+
+@pytest.mark.multi_process
+def test_each_tp_rank_holds_its_slice_of_every_fp8_expert(fp8_dirs):
+    """Per-expert FP8 weights and their block scales, read as each rank's slice of the intermediate dimension of every
+    expert (gate|up rows of each half, down_proj columns): the slices of the dequantized experts, exactly."""
+    from safetensors.torch import load_file
+
+    from helpers import run_ranks
+
+    quantized, dequantized = fp8_dirs["moe"]
+    ranks = run_ranks(_rank_experts, 2, str(quantized))
+    ref = load_file(dequantized / "model.safetensors")
+    p = "model.layers.1.mlp.experts"
+    for rank, (gate_up, down) in enumerate(ranks):
+        gate_up, down = torch.from_numpy(gate_up), torch.from_numpy(down)
+        assert gate_up.shape == (4, 40, 80) and down.shape == (4, 80, 20)        # E, 2 x I/2, H and E, H, I/2
+        for e in range(4):
+            rows = slice(20 * rank, 20 * (rank + 1))
+            want = torch.cat([ref[f"{p}.{e}.gate_proj.weight"][rows], ref[f"{p}.{e}.up_proj.weight"][rows]])
+            assert torch.equal(gate_up[e], want)
+            assert torch.equal(down[e], ref[f"{p}.{e}.down_proj.weight"][:, rows])
