@@ -89,8 +89,13 @@ def test_sharded_layouts_equal_float64_on_the_dequantized_weights(fp8_dirs, name
     quantized, dequantized = fp8_dirs[name]
     server = CliServer("--model", str(quantized), layout, "2", "--logprob-chunk-size", "16")
     try:
-        check_every_output(server.address, Reference(dequantized), random_seqs(np.random.default_rng(6), SEQS))
+        ref = Reference(dequantized)
+        check_every_output(server.address, ref, random_seqs(np.random.default_rng(6), SEQS))
         assert _quantization(server.address).endswith("dequantized to fp32 at load (no FP8 GEMMs on cpu)")
+        if layout == "--tp":          # the Head RPC reads a vocab-sharded head's rows from the FP8 checkpoint
+            with TeacherClient(server.address) as c:
+                head = c.head(cache=False)
+            assert torch.equal(torch.cat(list(head.weights)).float(), ref.fp32.lm_head.weight.detach())
     finally:
         assert server.stop() == 0, "".join(server.log[-30:])
     assert any("fp8-" in line and "loaded its shards" in line for line in server.log)   # the start-up line says so
