@@ -221,3 +221,20 @@ def test_rowwise_fp8_gemm_runs_on_cpu_against_its_dequantized_operands():
     assert (got.double() - want).abs().max() <= 1e-5 * want.abs().max()
     assert layer(x[:, :0]).shape == (2, 0, 48)
     assert probe("cpu", torch.float32) == Fp8Gemms(rowwise=True, block=False)   # no block-scaled kernel on a CPU
+
+
+def test_ue8m0_block_scales_are_powers_of_two_read_exactly(tmp_path):
+    """DeepSeek-V3.1-style scale_fmt ue8m0: one byte a block (float8_e8m0fnu, a power of two), accepted only under
+    that scale_fmt, and each element dequantized to fp8 * 2^e exactly."""
+    g = torch.Generator().manual_seed(4)
+    q = (torch.randn(96, 64, generator=g) * 50).to(torch.float8_e4m3fn)
+    exps = torch.randint(-8, 4, (3, 2), generator=g).double()
+    save_file({"lin.weight": q, "lin.weight_scale_inv": torch.pow(2.0, exps).to(torch.float8_e8m0fnu)},
+              tmp_path / "model.safetensors")
+    qc = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [32, 32], "scale_fmt": "ue8m0"}
+    ckpt = Checkpoint(tmp_path, scheme_of(qc))
+    got = ckpt.read("lin.weight", Source(keys=[(-1, 0, "lin.weight")]), ParamShard(0), 1, 2)     # rows [48, 96)
+    full = torch.pow(2.0, exps).repeat_interleave(32, 0).repeat_interleave(32, 1)               # [96, 64] float64
+    assert torch.equal(got.double(), (q.double() * full)[48:])
+    with pytest.raises(QuantError, match=r"scale lin.weight_scale_inv is stored as F8_E8M0; served: F32, BF16, F16"):
+        Checkpoint(tmp_path, scheme_of({**qc, "scale_fmt": "float"}))

@@ -78,8 +78,8 @@ def load_sharded(directory, dtype: str, device: torch.device, rank: int, tp: int
     config = AutoConfig.from_pretrained(path, local_files_only=True)
     check_layout(config, tp)
     plan = resolve_plan(config) if tp > 1 else Plan((), "")
-    quant = QuantLoad.of(scheme_of(getattr(config, "quantization_config", None)), fp8_compute, device,
-                         DTYPES[dtype])
+    qc = getattr(config, "quantization_config", None) or getattr(config.get_text_config(), "quantization_config", None)
+    quant = QuantLoad.of(scheme_of(qc), fp8_compute, device, DTYPES[dtype])
     reader = _Reader.of(path, config, DTYPES[dtype], device, place, plan, quant)
     reader.read_body()
     shard_head, vshard, head_key = reader.read_head()
