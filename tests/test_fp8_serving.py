@@ -80,11 +80,11 @@ def test_tp1_equals_float64_on_the_dequantized_weights(fp8_dirs, fmt):
 
 @pytest.mark.multi_process
 @pytest.mark.parametrize("name,layout", [("block", "--tp"), ("channel", "--tp"), ("block", "--pp"),
-                                         ("tensor", "--pp"), ("moe", "--tp"), ("deepseek", "--tp"),
-                                         ("deepseek", "--pp")])
+                                         ("tensor", "--pp"), ("channel", "--cp"), ("moe", "--tp"),
+                                         ("deepseek", "--tp"), ("deepseek", "--pp")])
 def test_sharded_layouts_equal_float64_on_the_dequantized_weights(fp8_dirs, name, layout):
     """Each rank reads its slices of the FP8 weights and of the scales covering them (block edges cut mid-block by the
-    tp 2 split of rows and columns), or only its stage's layers; the MoEs' per-expert FP8 weights merge into the fused
+    tp 2 split of rows and columns), or only its stage's layers, or all of them under CP; the MoEs' per-expert FP8 weights merge into the fused
     experts dequantized, each rank its slice of every expert (Qwen3-MoE; DeepSeek-V3 with MLA and a shared expert)."""
     quantized, dequantized = fp8_dirs[name]
     server = CliServer("--model", str(quantized), layout, "2", "--logprob-chunk-size", "16")

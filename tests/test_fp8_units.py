@@ -238,3 +238,16 @@ def test_ue8m0_block_scales_are_powers_of_two_read_exactly(tmp_path):
     assert torch.equal(got.double(), (q.double() * full)[48:])
     with pytest.raises(QuantError, match=r"scale lin.weight_scale_inv is stored as F8_E8M0; served: F32, BF16, F16"):
         Checkpoint(tmp_path, scheme_of({**qc, "scale_fmt": "float"}))
+
+
+def test_weight_bytes_count_fp8_weights_at_one_byte():
+    """What a loaded rank's weights hold: an Fp8Linear's weight one byte an element plus its fp32 scales, a float
+    layer its dtype's size, a tied tensor once."""
+    from torch import nn
+
+    from logitserve.memory import weight_bytes
+
+    q, scale, _ = quantize(torch.randn(64, 32), "channel")
+    model = nn.Sequential(Fp8Linear(q, scale, "rowwise"), nn.Linear(32, 16, bias=False).to(torch.bfloat16))
+    model.append(model[1])                                                   # the same layer twice: counted once
+    assert weight_bytes(model) == 64 * 32 * 1 + 64 * 4 + 16 * 32 * 2
