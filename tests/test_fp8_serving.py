@@ -4,6 +4,7 @@ the fp32 bound; FP8 GEMMs (torch's row-wise kernel runs on a CPU) within FP8's; 
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -102,23 +103,25 @@ def test_sharded_layouts_equal_float64_on_the_dequantized_weights(fp8_dirs, name
 
 
 @pytest.mark.multi_process
-@pytest.mark.parametrize("tp", ["1", "2"])
-def test_fp8_gemms_stay_within_fp8s_bound_of_the_dequantized_model(fp8_dirs, tp):
+@pytest.mark.parametrize("layout", ["--tp 1", "--tp 2", "--pp 2"])
+def test_fp8_gemms_stay_within_fp8s_bound_of_the_dequantized_model(fp8_dirs, layout):
     """--fp8-compute fp8 on a CPU: every linear layer runs torch._scaled_mm on its FP8 shard (row-wise scales, the
-    input quantized per token), column and row parallel at tp 2. Bound (measured 0.23 at tp 1, 0.22 at tp 2 on
+    input quantized per token), column and row parallel at tp 2, on each stage under pp 2. Bound (measured 0.23 at tp 1, 0.22 at tp 2 on
     this model): max |logprob - float64 dequantized| <= 0.3, and the same top-1 wherever the reference's top two
     are more than 0.6 apart (twice that bound: no FP8 error of this size can swap them)."""
     quantized, dequantized = fp8_dirs["rowwise"]
     ref = Reference(dequantized)
     seqs = random_seqs(np.random.default_rng(7), [40, 90, 130, 200])
-    server = CliServer("--model", str(quantized), "--tp", tp, "--fp8-compute", "fp8", "--logprob-chunk-size", "16")
+    server = CliServer("--model", str(quantized), *layout.split(), "--fp8-compute", "fp8", "--logprob-chunk-size", "16")
     try:
         with TeacherClient(server.address) as c:
             info = c.model_info()
             r = c.forward(seqs, logprobs=True, topk=1)
     finally:
         assert server.stop() == 0, "".join(server.log[-30:])
-    assert info.quantization == "fp8-channel: fp8 GEMMs (torch scaled_mm, rowwise) for 14 of 14 FP8 weights"
+    counts = re.fullmatch(r"fp8-channel: fp8 GEMMs \(torch scaled_mm, rowwise\) for (\d+) of (\d+) FP8 weights",
+                          info.quantization)
+    assert counts and counts[1] == counts[2] == ("7" if "pp" in layout else "14")     # rank 0's: its stage's under PP
     worst, decided = 0.0, 0
     for j, seq in enumerate(seqs):
         z = ref.logits(seq)                                                          # [L, V] float64
@@ -128,7 +131,7 @@ def test_fp8_gemms_stay_within_fp8s_bound_of_the_dequantized_model(fp8_dirs, tp)
         sure = (top[:, 0] - top[:, 1] > 0.6).numpy()
         assert np.array_equal(r.topk_ids[j][sure, 0], z.argmax(-1).numpy()[sure])
         decided += int(sure.sum())
-    print(f"\nfp8 GEMMs at tp {tp}: max |logprob diff| {worst:.3f}, {decided} rows decided")
+    print(f"\nfp8 GEMMs at {layout}: max |logprob diff| {worst:.3f}, {decided} rows decided")
     assert 0 < worst <= 0.3 and decided >= 10       # FP8 really ran (not the dequantized path) and the check bites
 
 

@@ -51,15 +51,19 @@ def prepare_scale(scale: torch.Tensor, recipe: str, n: int) -> torch.Tensor:
 
 
 class Fp8Linear(nn.Linear):
-    """A linear layer holding its (local) FP8 weight [N, K] e4m3 and scales; y = x W^T (+ bias) in x's dtype."""
+    """A linear layer holding its (local) FP8 weight [N, K] e4m3 and scales; y = x W^T (+ bias) in x's dtype.
+
+    The weight's bytes are kept as a uint8 parameter and the scales as a buffer, so nothing that reads a model's
+    floating parameters (transformers' `model.dtype`, `model.to(dtype)`) takes them for the serving dtype or casts
+    them; the GEMM views the bytes as e4m3."""
 
     def __init__(self, weight: torch.Tensor, scale: torch.Tensor, recipe: str, bias: Optional[torch.Tensor] = None):
         nn.Module.__init__(self)
         assert weight.dtype == E4M3 and weight.ndim == 2 and recipe in ("rowwise", "block")
         self.out_features, self.in_features = weight.shape
         self.recipe = recipe
-        self.weight = nn.Parameter(weight.contiguous(), requires_grad=False)                   # [N, K] e4m3
-        self.weight_scale = nn.Parameter(prepare_scale(scale, recipe, weight.shape[0]), requires_grad=False)
+        self.weight = nn.Parameter(weight.contiguous().view(torch.uint8), requires_grad=False)   # [N, K] e4m3 bytes
+        self.register_buffer("weight_scale", prepare_scale(scale, recipe, weight.shape[0]))
         self.register_parameter("bias", None if bias is None else nn.Parameter(bias, requires_grad=False))
         self.calls = 0                         # GEMMs run (the GPU check reads it: FP8 ran, not a fallback)
 
@@ -70,14 +74,15 @@ class Fp8Linear(nn.Linear):
         if x2.shape[0] == 0:
             return x.new_zeros(*lead, self.out_features)
         self.calls += 1
+        w = self.weight.view(E4M3)                                                   # [N, K]
         if self.recipe == "rowwise":
             xq, sx = quantize_rows(x2)                                               # [M, K] e4m3, [M, 1]
-            y = torch._scaled_mm(xq, self.weight.t(), sx, self.weight_scale, out_dtype=x.dtype)
+            y = torch._scaled_mm(xq, w.t(), sx, self.weight_scale.float(), out_dtype=x.dtype)
         else:
             m = x2.shape[0]
             xq, sx = quantize_groups(F.pad(x2, (0, 0, 0, -m % 4)), BLOCK)            # [M4, K], [M4, K/128]
-            y = F.scaled_mm(xq, self.weight.t(), sx.t().contiguous().t(), F.ScalingType.BlockWise1x128,
-                            self.weight_scale.t(), F.ScalingType.BlockWise128x128, output_dtype=x.dtype)[:m]
+            y = F.scaled_mm(xq, w.t(), sx.t().contiguous().t(), F.ScalingType.BlockWise1x128,
+                            self.weight_scale.float().t(), F.ScalingType.BlockWise128x128, output_dtype=x.dtype)[:m]
         return y.reshape(*lead, self.out_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

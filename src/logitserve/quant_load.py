@@ -8,7 +8,6 @@ reader to the serving dtype as it is read. `describe` is the one line ModelInfo 
 """
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -21,7 +20,6 @@ from .loaded import DTYPE_NAMES
 from .quant import QuantScheme
 from .tp_plan import ParamShard
 
-log = logging.getLogger("logitserve.loading")
 
 
 @dataclass
