@@ -9,6 +9,10 @@
 #                 every output, filters, the HTTP routes), at every (tp, cp) layout the GPUs fit
 #   nccl          the same at tp 2 / cp 2 / pp 2 under NCCL (needs 2+ GPUs: printed as skipped, never as passed)
 #   bf16          bf16 against fp32 on the demo model, within a stated bound (bench/gpu_check.py --against-fp32)
+#   fp8           FP8 checkpoints of the 1b shape (DeepSeek-style 128x128 blocks, compressed-tensors per channel): their
+#                 GEMMs ran in FP8 (torch scaled_mm), logprobs against the same weights dequantized to bf16 within the
+#                 stated bounds (top-1 agreement, max and mean |logprob diff|), weights, peak GPU memory, tokens/s
+#                 beside bf16 (bench/gpu_check.py --fp8)
 #   flash         a bf16 packed batch ran varlen flash attention, not the sdpa fallback
 #   load          load time and peak GPU memory of the 1b demo shape in bf16
 #   throughput    packed and exact against a batched in-process bf16 forward, 1b shape (bench/batching.py)
@@ -56,9 +60,11 @@ if [ "$DRY" = 1 ]; then
   # the dry run proves each step still runs, at the smallest size: one equality test (the suite runs them all),
   # the reward group shape only
   WHEELS=.whl-dry DEVICE=cpu DTYPE=fp32 SHAPE=demo REPEATS=1 WORKLOADS=4x64 EQUALITY="every_output" GROUP_SHAPES=reward
+  FP8=channel     # a CPU has torch's row-wise FP8 GEMM, not the block-scaled one
   rm -rf "$WHEELS"; bash bench/gpu_wheels.sh "$WHEELS" here    # fresh: a stale logitserve wheel tests old code
 else
   WHEELS=.whl DEVICE=cuda DTYPE=bf16 SHAPE=1b REPEATS=3 WORKLOADS=8x512,64x64 EQUALITY="every_output or filters or http"
+  FP8=block,channel
   GROUP_SHAPES=chat,reward
 fi
 SITE=$(mktemp -d)/site
@@ -102,6 +108,8 @@ else
 fi
 
 step bf16 240 "$PY" bench/gpu_check.py --device "$DEVICE" --against-fp32
+step fp8 240 "$PY" bench/gpu_check.py --device "$DEVICE" --fp8 "$FP8" --shape "$SHAPE" --dtype "$DTYPE" \
+  --repeats "$REPEATS"
 
 if [ "$DEVICE" = cuda ]; then
   step flash 120 "$PY" - <<'EOF'

@@ -1,9 +1,10 @@
-"""Loading a ~1 GB bf16 checkpoint: time to first SERVING and each rank's peak RSS, at TP 1 (whole) and TP 2 (shards).
+"""Loading a ~1 GB bf16 checkpoint and its FP8 twin: time to first SERVING and each rank's peak RSS, at TP 1 and TP 2.
 
 `python bench/loading.py` builds the checkpoint once (a Llama of 16 layers, hidden 1536,
-vocab 32000: 0.5B parameters in bf16, about 1 GB) from a fixed seed, then starts
-`logitserve serve --dtype bf16 --tp N` as a user would, --repeats times per layout,
-interleaved. Time to SERVING runs from the process start to the "serving" line; each
+vocab 32000: 0.5B parameters in bf16, about 1 GB) from a fixed seed, and from it a block-FP8
+checkpoint as DeepSeek-V3 ships one (bench/fp8_checkpoint.py: 128x128 blocks, about 0.6 GB; on a
+CPU it is dequantized to bf16 as it is read), then starts `logitserve serve --dtype bf16 --tp N` as a
+user would on each, --repeats times per layout, interleaved. Time to SERVING runs from the process start to the "serving" line; each
 rank logs its own peak RSS (VmHWM) when its model is built. The import baseline (a
 process that imports the server and its model classes, loading nothing) is reported beside.
 """
@@ -51,6 +52,7 @@ def _warm_peaks(proc: subprocess.Popen, address: str) -> list[int]:
 
 
 def serve_once(directory: Path, tp: int) -> tuple[float, dict[int, int], list[int]]:
+    """(seconds to SERVING, each rank's peak RSS while loading, every process's peak RSS after one request)."""
     cmd = [sys.executable, "-m", "logitserve.server.cli", "serve", "--host", "127.0.0.1", "--port", "0",
            "--model", str(directory), "--dtype", "bf16", "--tp", str(tp)]
     t0 = time.perf_counter()
@@ -83,25 +85,29 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--cache", type=Path, default=Path.home() / ".cache" / "logitserve")
     args = ap.parse_args()
-    directory = checkpoint(args.cache)
-    size = sum(f.stat().st_size for f in directory.glob("*.safetensors")) / 2**20
-    runs: dict[int, list] = {1: [], 2: []}
+    from fp8_checkpoint import fp8_checkpoint
+
+    bf16 = checkpoint(args.cache)
+    dirs = {"bf16": bf16, "fp8-block-128x128": fp8_checkpoint(bf16, args.cache / "bench-load-0.5b-fp8-block")}
+    sizes = {name: sum(f.stat().st_size for f in d.glob("*.safetensors")) / 2**20 for name, d in dirs.items()}
+    runs: dict[tuple[str, int], list] = {(name, tp): [] for name in dirs for tp in (1, 2)}
     for _ in range(args.repeats):
-        for tp in runs:
-            runs[tp].append(serve_once(directory, tp))
+        for name, tp in runs:
+            runs[name, tp].append(serve_once(dirs[name], tp))
     base = import_baseline()
-    result = {"checkpoint_mib": round(size), "import_baseline_mib": base, "layouts": {}}
-    print(f"checkpoint {size:.0f} MiB bf16; import baseline {base} MiB per process; medians of {args.repeats}\n")
-    print("| tp | time to SERVING (s) | peak RSS per rank while loading (MiB) | above the import baseline | "
+    result = {"checkpoint_mib": {n: round(s) for n, s in sizes.items()}, "import_baseline_mib": base, "layouts": {}}
+    print(f"checkpoints {', '.join(f'{n} {s:.0f} MiB' for n, s in sizes.items())}, served --dtype bf16; import "
+          f"baseline {base} MiB per process; medians of {args.repeats}\n")
+    print("| checkpoint | tp | time to SERVING (s) | peak RSS per rank while loading (MiB) | above the import baseline | "
           "peak RSS after one request, per process (MiB) |")
-    print("|---:|---:|---|---|---|")
-    for tp, rs in runs.items():
+    print("|---|---:|---:|---|---|---|")
+    for (name, tp), rs in runs.items():
         t = statistics.median(r[0] for r in rs)
         peaks = {rank: statistics.median(r[1][rank] for r in rs) for rank in range(tp)}
         warm = [statistics.median(r[2][i] for r in rs) for i in range(len(rs[0][2]))]
-        result["layouts"][tp] = {"time_to_serving_s": t, "peak_rss_mib": peaks, "warm_peak_rss_mib": warm,
-                                 "runs": rs}
-        print(f"| {tp} | {t:.1f} | {', '.join(f'{p:.0f}' for p in peaks.values())} | "
+        result["layouts"][f"{name}-tp{tp}"] = {"time_to_serving_s": t, "peak_rss_mib": peaks,
+                                               "warm_peak_rss_mib": warm, "runs": rs}
+        print(f"| {name} | {tp} | {t:.1f} | {', '.join(f'{p:.0f}' for p in peaks.values())} | "
               f"{', '.join(f'{p - base:.0f}' for p in peaks.values())} | {', '.join(f'{p:.0f}' for p in warm)} |")
     print(f"\nwrote {write_result(result, 'loading')}")
     return 0

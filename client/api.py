@@ -29,6 +29,7 @@ class ModelInfo:
     min_shared_prefix: int = 0     # sequences sharing this many leading tokens share their prefix's compute
     shared_prefix_tokens: int = 0  # prompt tokens the server computed once instead of per sequence, in all
     pp_size: int = 1               # pipeline stages; ranks then also carry pp_rank
+    quantization: str = ""         # an FP8 teacher's "<format>: <compute>" (e.g. "fp8-block-128x128: fp8 GEMMs ..."); ""
 
 
 class OutputsMixin:
@@ -154,7 +155,8 @@ def model_info_of(msg) -> ModelInfo:
     return ModelInfo(msg.name, msg.content_hash, msg.architecture, kind, msg.vocab_size, msg.max_sequence_length,
                      msg.dtype, msg.tp_size, msg.cp_size, msg.world_size, msg.num_labels, msg.max_message_bytes,
                      msg.server_version, ranks, batching_name(msg.batching), msg.tp_plan_source,
-                     msg.tokenizer_hash, msg.min_shared_prefix, msg.shared_prefix_tokens, max(1, msg.pp_size))
+                     msg.tokenizer_hash, msg.min_shared_prefix, msg.shared_prefix_tokens, max(1, msg.pp_size),
+                     msg.quantization)
 
 
 def batching_name(value: int) -> str:

@@ -79,7 +79,7 @@ def load_rank(model: ModelConfig, ctx: ParallelContext) -> tuple:
     hashing = ThreadPoolExecutor(1).submit(content_hash, path) if ctx.is_root else None
     loaded, shard = load_sharded(path, model.dtype, ctx.device, ctx.tp_rank, ctx.tp, ctx.tp_group,
                                  max_seq_len=model.max_seq_len, name=name, content="", pp=ctx.pp, stage=ctx.pp_rank,
-                                 balance=ctx.config.pp_balance)
+                                 balance=ctx.config.pp_balance, fp8_compute=model.fp8_compute)
     if hashing is not None:
         loaded = dataclasses.replace(loaded, content_hash=hashing.result())
     if model.step_separator is not None:

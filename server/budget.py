@@ -35,7 +35,8 @@ def memory_estimator(loaded, config, vocab_local: int, tp: int = 1, cp: int = 1,
 
     from .servicer import STREAM_WINDOW
 
-    dims = ModelDims.of(loaded.model.config, vocab_local, loaded.head.weight.element_size(), tp, cp)
+    # activations are in the serving dtype, whatever the weights are stored in (FP8 weights: one byte, logitserve.memory)
+    dims = ModelDims.of(loaded.model.config, vocab_local, loaded.dtype.itemsize, tp, cp)
     window = STREAM_WINDOW * config.max_message_bytes   # encoded messages a stream may hold
 
     # --pp: a stage holds the micro-batches it has sent ahead (pp - 1 at most) and the one it received, [tokens, H]

@@ -26,6 +26,11 @@ def _serve_parser(sub, formatter) -> None:
                    help="the demo's shape: demo (lm_head-heavy), body (8 layers, hidden 768), 1b (for GPUs), "
                         "wide (vocab 151936, hidden 1024), tiny (1 layer, hidden 64, vocab 1024: the host's cost alone)")
     p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32", help="weights and activations")
+    p.add_argument("--fp8-compute", choices=["auto", "dequantize", "fp8"], default="auto",
+                   help="FP8 checkpoints (found from config.json, no flag needed): auto runs the linear layers' GEMMs "
+                        "in FP8 on a CUDA GPU that has them (serving bf16) and dequantizes to --dtype at load "
+                        "elsewhere; dequantize always dequantizes; fp8 runs FP8 GEMMs wherever torch has them here "
+                        "and refuses a weight that cannot (docs/serving.md)")
     p.add_argument("--logprob-chunk-size", type=int, default=512, help="logits rows materialized at a time")
     p.add_argument("--step-target-ms", type=float, default=0.0, metavar="MS",
                    help="a head step holds fewer rows than --logprob-chunk-size when a plain step of that many takes "
@@ -221,7 +226,8 @@ def _cmd_serve(args, argv: list[str]) -> int:
         return spawn_local(argv[1:], parallel.world_size, args.threads)
     _tune_process(args)
     model = ModelConfig(path=args.model, demo=args.demo, demo_shape=args.demo_shape, dtype=args.dtype,
-                        max_seq_len=args.max_seq_len, step_separator=args.step_separator)
+                        max_seq_len=args.max_seq_len, step_separator=args.step_separator,
+                        fp8_compute=args.fp8_compute)
     config = _server_config(args, head_limits)
     if under_torchrun():
         # The rank is done and its process groups destroyed; the interpreter's own teardown can still
@@ -257,7 +263,7 @@ def _check_extras() -> Optional[int]:
 def _check_before_start(args, world_size: int) -> Optional[int]:
     """The checks before any rank starts (versions, the model directory and its layout, timeouts, free ports):
     an exit code, said why, or None when serving may start."""
-    from logitserve.preflight import StartupError, check_layout, check_model_dir, check_versions
+    from logitserve.preflight import StartupError, check_layout, check_model_dir, check_quantization, check_versions
 
     from .app import PortInUse, check_port_free
     from .launch import under_torchrun
@@ -266,6 +272,7 @@ def _check_before_start(args, world_size: int) -> Optional[int]:
         try:
             check_versions()
             check_model_dir(args.model)
+            check_quantization(args.model)
             check_layout(args.model, args.demo, args.demo_shape, args.tp, args.cp, args.pp)
         except StartupError as e:
             print(f"logitserve: {e}", file=sys.stderr)

@@ -257,7 +257,8 @@ def encode_model_info(loaded, layout, max_message_bytes: int, version: str, batc
         num_labels=loaded.num_labels, max_message_bytes=max_message_bytes, server_version=version,
         batching=encode_batching(batching), tp_plan_source=loaded.plan_source,
         tokenizer_hash=loaded.text.hash if loaded.text is not None else "",
-        min_shared_prefix=min_shared_prefix if encode_batching(batching) == pb.PACKED else 0)
+        min_shared_prefix=min_shared_prefix if encode_batching(batching) == pb.PACKED else 0,
+        quantization=loaded.quantization)
 
 
 def encode_head_info(meta, content_hash: str, head_hash: str) -> pb.HeadResponse:

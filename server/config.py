@@ -75,6 +75,7 @@ class ModelConfig:
     max_seq_len: Optional[int] = None   # default: the model's max_position_embeddings
     device: str = "cpu"                 # single-process serving: cpu | cuda | auto
     step_separator: Optional[str] = None   # token-classification models: the token (or id) that ends a step
+    fp8_compute: str = "auto"           # FP8 checkpoints: auto | dequantize | fp8 (logitserve.fp8_linear.choose)
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,10 @@ BASE = dict(vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_laye
             num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.1, pad_token_id=0,
             tie_word_embeddings=False)
 MOE = dict(num_experts_per_tok=2)
+# transformers 5.20 plans fused experts for TP itself; later versions for expert parallelism only, and logitserve
+# adds the TP slicing (tp_plan._tp_experts)
+MOE_SOURCE = "transformers" if "layers.*.mlp.experts" in __import__("transformers").Qwen3MoeConfig.base_model_tp_plan \
+    else "transformers+logitserve"
 # arch -> (config class, causal class, reward class, extra config, plan source at tp 2)
 ARCHS = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", "LlamaForSequenceClassification", {}, "transformers"),
@@ -29,12 +33,12 @@ ARCHS = {
                "transformers"),
     "phi3": ("Phi3Config", "Phi3ForCausalLM", None, {}, "transformers+logitserve"),     # fused qkv and gate_up
     "mixtral": ("MixtralConfig", "MixtralForCausalLM", "MixtralForSequenceClassification",
-                dict(num_local_experts=4, **MOE), "transformers"),
+                dict(num_local_experts=4, **MOE), MOE_SOURCE),
     "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM", None,    # per-head fused qkv, partial rotary, parallel
                  {}, "transformers"),                           # residual; its plan names embedding_rowwise
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", None,
                   dict(head_dim=16, num_experts=4, moe_intermediate_size=32, decoder_sparse_step=1, **MOE),
-                  "transformers"),
+                  MOE_SOURCE),
 }
 TP2 = list(ARCHS)
 REWARD = ["qwen3", "mixtral"]

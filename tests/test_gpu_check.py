@@ -23,9 +23,11 @@ def test_gpu_check_dry_run(tmp_path):
     assert run.returncode == 0, (status, run.stdout[-3000:])
     assert summary["dry_run"] and not summary["failed"]
     assert status == {"install": "pass", "versions": "pass", "equality": "pass", "nccl": "skipped", "bf16": "pass",
-                      "flash": "skipped", "hidden": "pass", "load": "pass", "throughput": "pass", "groups": "pass"}
+                      "fp8": "pass", "flash": "skipped", "hidden": "pass", "load": "pass", "throughput": "pass",
+                      "groups": "pass"}
     log = (tmp_path / "out" / "gpu_check.log").read_text()
     assert '"capabilities"' in log and "bf16 vs fp32, 1x1" in log and "OK" in log
+    assert "fp8 channel vs dequantized fp32: FP8 GEMMs ran" in log       # the FP8 step compared a real FP8 run
     assert "hidden: head on cpu (bf16 weights, server logits bf16): max |rebuilt - served|" in log
     assert "logitserve_from" in log and "/site/logitserve/" in log       # logitserve came from the wheel
 

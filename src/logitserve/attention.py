@@ -106,8 +106,8 @@ def _softcapped(q, k, v, mask, scaling, softcap) -> torch.Tensor:
 def _grouped_sdpa(query, key, value, lengths, scaling, window, softcap=None, parents=None) -> torch.Tensor:
     """query [1, H, N, D], key/value [1, Hkv, N, D] -> [1, N, H, D]: one sdpa per run of equal lengths, on views;
     continuations of a shared prefix attend to it too (_continuations)."""
-    out = torch.empty(query.shape[0], query.shape[2], query.shape[1], query.shape[3],
-                      dtype=query.dtype, device=query.device)              # [1, N, H, D]
+    out = torch.empty(query.shape[0], query.shape[2], query.shape[1], value.shape[3],     # Dv: MLA's differs from D
+                      dtype=query.dtype, device=query.device)              # [1, N, H, Dv]
     gqa = query.shape[1] != key.shape[1]
     plain = None if parents is None else [p < 0 for p in parents]
     if parents is not None:

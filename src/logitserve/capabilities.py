@@ -7,7 +7,9 @@ machine degrades with one logged line instead of failing every request:
   (without it the logits are rounded to bf16 before the upcast: 0.125 steps at |z| in 16..32);
 - `varlen_attn` / `varlen_gqa` / `varlen_window` / `varlen_causal`: torch.nn.attention.varlen.varlen_attn, and
   which of its enable_gqa, window_size and is_causal arguments it takes (logitserve.attention);
-- `nccl_device_id`: init_process_group(device_id=...), which binds NCCL to the rank's GPU at once.
+- `nccl_device_id`: init_process_group(device_id=...), which binds NCCL to the rank's GPU at once;
+- `fp8_rowwise` / `fp8_block`: the FP8 GEMMs an FP8 checkpoint's linear layers run in bf16 (logitserve.fp8_linear:
+  torch._scaled_mm row-wise, F.scaled_mm with 1x128 x 128x128 block scales), each checked on a tiny GEMM.
 """
 from __future__ import annotations
 
@@ -33,6 +35,8 @@ class Capabilities:
     varlen_causal: bool     # varlen_attn takes is_causal (causal masks only)
     nccl: bool
     nccl_device_id: bool    # init_process_group takes device_id
+    fp8_rowwise: bool = False   # row-wise FP8 GEMM (compressed-tensors per-channel checkpoints) runs, bf16 out
+    fp8_block: bool = False     # 128x128 block-scaled FP8 GEMM (DeepSeek / Qwen3-FP8 checkpoints) runs, bf16 out
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -55,6 +59,13 @@ def _mm_out_dtype(device: str) -> bool:
         return False
 
 
+def _fp8(device: str) -> dict:
+    from .fp8_linear import probe as fp8_probe
+
+    gemms = fp8_probe(device, torch.bfloat16)
+    return {"fp8_rowwise": gemms.rowwise, "fp8_block": gemms.block}
+
+
 @lru_cache(maxsize=None)
 def probe(device: str = "cpu") -> Capabilities:
     """The capabilities for `device` ("cpu", "cuda", "cuda:1"), probed once per device."""
@@ -72,7 +83,8 @@ def probe(device: str = "cpu") -> Capabilities:
         mm_out_dtype=_mm_out_dtype(device), varlen_attn=varlen, varlen_gqa=gqa,
         varlen_window=window, varlen_causal=causal,
         nccl=dist.is_available() and dist.is_nccl_available(),
-        nccl_device_id=dist.is_available() and _takes(dist.init_process_group, "device_id"))
+        nccl_device_id=dist.is_available() and _takes(dist.init_process_group, "device_id"),
+        **_fp8(device))
     if cuda:
         missing = [n for n in ("mm_out_dtype", "varlen_attn", "nccl_device_id") if not getattr(caps, n)]
         if missing:

@@ -6,7 +6,10 @@ pages of one tensor (a file mapped for the whole load would keep every touched p
 Checkpoint keys are mapped to the model's parameters by transformers' own renamings and
 converters (`conversion_mapping`), e.g. Mixtral's per-expert `w1/w3/w2` into the fused
 `experts.gate_up_proj [E, 2I, H]`; a converter other than stack-experts-then-concatenate
-is refused by name.
+is refused by name. An FP8 weight (logitserve.quant) is read with the scales that cover the
+rank's slice and comes out dequantized (fp32, then the serving dtype), a piece at a time, or
+as stored with its scales for a layer that runs FP8 GEMMs (`read_fp8`); every tensor's dtype
+is known from the headers before anything is read.
 """
 from __future__ import annotations
 
@@ -20,6 +23,8 @@ from typing import Optional
 import torch
 from safetensors import safe_open
 
+from .fp8 import aligned, concrete, dequantize, scale_index
+from .quant import FLOAT_DTYPES, SERVED, QuantError, QuantScheme, check_tensors
 from .tp_plan import ParamShard
 
 _DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}   # safetensors' names
@@ -45,7 +50,7 @@ def _chunk(n: int, rank: int, tp: int, what: str) -> slice:
 class Checkpoint:
     """A directory's safetensors files: key -> file, and sliced reads."""
 
-    def __init__(self, directory: Path):
+    def __init__(self, directory: Path, scheme: Optional[QuantScheme] = None):
         self.directory = Path(directory)
         index = self.directory / "model.safetensors.index.json"
         if index.exists():
@@ -58,6 +63,9 @@ class Checkpoint:
                     self.files.update({k: f for k in h.keys()})
         if not self.files:
             raise ValueError(f"{self.directory}: no safetensors weights (sharded loading reads safetensors only)")
+        self.meta = headers(self.files)          # key -> (safetensors dtype, shape): the headers only
+        self.scheme = scheme
+        self.scales = check_tensors(self.meta, scheme, str(self.directory))   # FP8 weight key -> its scale key
 
     def sources(self, model) -> dict[str, Source]:
         """Model parameter or buffer name -> its Source, through transformers' conversions where it has them."""
@@ -83,25 +91,82 @@ class Checkpoint:
             src.keys.append((expert, conv.source_patterns.index(pattern), key))
         return out
 
+    def _pieces(self, shape: list[int], key: str, shard: Optional[ParamShard], rank: int, tp: int,
+                dim_shift: int = 0, rows: Optional[slice] = None) -> tuple[list[tuple[slice, ...]], int]:
+        """The index of each piece of `key` this rank reads (fused gate|up: one per part) and the dim they join on."""
+        index = [slice(None)] * len(shape)
+        if rows is not None:
+            index[0] = rows
+        if shard is None:
+            return [concrete(tuple(index), tuple(shape))], 0
+        dim = shard.dim - dim_shift
+        part = shape[dim] // shard.parts
+        pieces = []
+        for p in range(shard.parts):                # fused gate|up: this rank's rows of each part
+            local = _chunk(part, rank, tp, f"{key} dim {dim}")
+            index[dim] = slice(p * part + local.start, p * part + local.stop)
+            pieces.append(concrete(tuple(index), tuple(shape)))
+        return pieces, dim
+
     def _read(self, key: str, shard: Optional[ParamShard], rank: int, tp: int, dim_shift: int = 0,
               rows: Optional[slice] = None) -> torch.Tensor:
+        """This rank's part of checkpoint tensor `key`; an FP8 weight comes dequantized (fp32) with its scales."""
         with safe_open(self.files[key], framework="pt") as h:
             sl = h.get_slice(key)
-            shape = sl.get_shape()
-            index = [slice(None)] * len(shape)
-            if rows is not None:
-                index[0] = rows
-                return sl[tuple(index)]
-            if shard is None:
-                return sl[tuple(index)]
-            dim = shard.dim - dim_shift
-            part = shape[dim] // shard.parts
-            pieces = []
-            for p in range(shard.parts):                # fused gate|up: this rank's rows of each part
-                local = _chunk(part, rank, tp, f"{key} dim {dim}")
-                index[dim] = slice(p * part + local.start, p * part + local.stop)
-                pieces.append(sl[tuple(index)])
-            return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim)
+            pieces, dim = self._pieces(sl.get_shape(), key, shard, rank, tp, dim_shift, rows)
+            out = [self._dequantized(key, sl[i], i) if key in self.scales else sl[i] for i in pieces]
+        return out[0] if len(out) == 1 else torch.cat(out, dim)
+
+    def _scale(self, key: str, index: tuple[slice, ...]) -> torch.Tensor:
+        """The scales covering the piece `index` of FP8 weight `key` (fp32)."""
+        skey = self.scales[key]
+        with safe_open(self.files[skey], framework="pt") as h:
+            sl = h.get_slice(skey)
+            shape = tuple(sl.get_shape())
+            value = sl[scale_index(self.scheme, index, shape)] if shape else h.get_tensor(skey)
+        return value.to(torch.float32)
+
+    def _dequantized(self, key: str, q: torch.Tensor, index: tuple[slice, ...]) -> torch.Tensor:
+        return dequantize(q, self._scale(key, index), self.scheme, index)
+
+    def unaligned(self, name: str, src: Source, shard: Optional[ParamShard], rank: int, tp: int) -> Optional[str]:
+        """None when this rank's pieces of FP8 weight `name` hold whole scale blocks of their own; else why not,
+        naming the dimension and the bound (from the header: nothing is read)."""
+        key = src.keys[0][2]
+        shape = self.meta[key][1]
+        pieces, _ = self._pieces(list(shape), key, shard, rank, tp)
+        if self.scheme.strategy == "tensor" and len(pieces) > 1:
+            return f"{name}: packed parts under one per-tensor scale"
+        for i in pieces:
+            why = aligned(self.scheme, i, shape)
+            if why is not None:
+                return f"{name}: {why}"
+        return None
+
+    def read_fp8(self, src: Source, shard: Optional[ParamShard], rank: int, tp: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's FP8 weight of a linear layer as stored, e4m3 [N/tp or N, K or K/tp], and the scales of that
+        shard: [n, 1] per channel, [] per tensor, whole blocks [ceil(n/R), ceil(k/C)] (`unaligned` said None)."""
+        key = src.keys[0][2]
+        with safe_open(self.files[key], framework="pt") as h:
+            sl = h.get_slice(key)
+            pieces, dim = self._pieces(sl.get_shape(), key, shard, rank, tp)
+            q = [sl[i] for i in pieces]
+        s = [self._scale(key, i) for i in pieces]
+        weight = q[0] if len(q) == 1 else torch.cat(q, dim)
+        if self.scheme.strategy == "tensor":
+            return weight, s[0].reshape(())
+        return weight, s[0] if len(s) == 1 else torch.cat(s, dim)
+
+    def stored(self, key: str) -> str:
+        """The safetensors dtype name `key` is stored in ("BF16", "F8_E4M3", ...)."""
+        return self.meta[key][0]
+
+    def require_float(self, key: str, name: str) -> None:
+        """A parameter's tensor must be a float or a served FP8 weight: anything else is refused naming it."""
+        dtype = self.stored(key)
+        if dtype not in FLOAT_DTYPES and key not in self.scales:
+            raise QuantError(f"{self.directory}: parameter {name} (checkpoint tensor {key}) is stored as {dtype}; "
+                             f"{SERVED}")
 
     def read(self, name: str, src: Source, shard: Optional[ParamShard], rank: int, tp: int) -> torch.Tensor:
         """This rank's part of parameter `name` (the whole of it when `shard` is None)."""
@@ -138,16 +203,30 @@ class Checkpoint:
         with safe_open(self.files[key], framework="pt") as h:
             sl = h.get_slice(key)
             shape, stored = sl.get_shape(), _DTYPES.get(sl.get_dtype())
-            if device.type == "cpu" and stored == dtype:
+            if device.type == "cpu" and stored == dtype and key not in self.scales:
                 return h.get_tensor(key)
         row_bytes = max(1, math.prod(shape[1:]) * 4)      # at most 4 bytes an element, in the file or the copy
         block = max(1, READ_BLOCK_BYTES // row_bytes)
         if not shape or shape[0] <= block:
-            return self._read(key, None, 0, 1).to(device=device, dtype=dtype, copy=True)
+            return self._read(key, None, 0, 1).to(device=device, dtype=dtype, copy=key not in self.scales)
         out = torch.empty(shape, dtype=dtype, device=device)
         for a in range(0, shape[0], block):
             out[a : a + block] = self.read_rows(key, a, min(a + block, shape[0]))
         return out
+
+
+def headers(files: dict[str, Path]) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """key -> (dtype, shape) from each file's safetensors header, without reading any tensor."""
+    out = {}
+    by_file: dict[Path, list[str]] = {}
+    for key, f in files.items():
+        by_file.setdefault(f, []).append(key)
+    for f, keys in by_file.items():
+        with safe_open(f, framework="pt") as h:
+            for key in keys:
+                sl = h.get_slice(key)
+                out[key] = (sl.get_dtype(), tuple(sl.get_shape()))
+    return out
 
 
 def _conversions(model):

@@ -62,16 +62,21 @@ class HeadSource:
                              accumulates_fp32(head.weight), t.multiply, t.divide, float(t.softcap or 0.0), tied)
         self._loaded = loaded
         self._hash: Optional[str] = None
+        self._checkpoint = None                  # the checkpoint a vocab-sharded head's rows are read from, once
         self._lock = threading.Lock()
 
     def rows(self, a: int, b: int) -> torch.Tensor:
         """Weight rows [a, b), contiguous on the host in the served dtype. [b - a, H]"""
         if self._whole:
             return self._loaded.head.weight[a:b].detach().to("cpu").contiguous()
-        from .checkpoint import Checkpoint
-
         directory, key = self._loaded.head_checkpoint
-        return Checkpoint(directory).read_rows(key, a, b).to(self.meta.dtype).contiguous()
+        if self._checkpoint is None:             # an FP8 checkpoint's scales too: a quantized head is read dequantized
+            from .checkpoint import Checkpoint
+            from .quant import scheme_of
+
+            self._checkpoint = Checkpoint(directory, scheme_of(getattr(self._loaded.model.config,
+                                                                       "quantization_config", None)))
+        return self._checkpoint.read_rows(key, a, b).to(self.meta.dtype).contiguous()
 
     def bias(self) -> Optional[torch.Tensor]:
         """The bias [V] on the host, or None."""

@@ -74,6 +74,7 @@ class LoadedModel:
     head_checkpoint: Optional[tuple[str, str]] = None   # (directory, key) a vocab-sharded head was read from
     stage_input: Optional[object] = None     # pipeline.StageInput on later pipeline stages
     step_separator: tuple[int, ...] = ()     # --step-separator: step scores' separator ids when a request names none
+    quantization: str = ""    # an FP8 checkpoint's format and compute path (quant_load.QuantLoad.describe); "" if none
 
     @property
     def limits(self) -> ModelLimits:

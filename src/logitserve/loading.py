@@ -24,9 +24,12 @@ from torch import nn
 
 from .checkpoint import Checkpoint, Source
 from .hostmem import peak_rss_mib
+from .memory import weight_bytes
 from .loaded import DTYPE_NAMES, DTYPES, HeadTransform, LoadedModel, attention_kwargs, content_hash, describe  # noqa: F401
 from .loaded import find_head, head_attr, kind_of, model_class
 from .pipeline import install_stage, split_stages
+from .quant import scheme_of
+from .quant_load import QuantLoad
 from .spec import ModelKind
 from .tp_forward import install, install_vocab_embedding, shardable_embedding
 from .tp_plan import Expanded, Plan, check_layout, expand, resolve_plan
@@ -48,20 +51,23 @@ class Place:
 
 
 def load_model(directory: str | os.PathLike, dtype: str = "fp32", max_seq_len: int | None = None,
-               name: str | None = None, device: str | None = None) -> LoadedModel:
+               name: str | None = None, device: str | None = None, fp8_compute: str = "auto") -> LoadedModel:
     """The whole model in this process (the layout of one rank): weights straight onto `device` ("cuda", "cuda:1";
     default CPU), one tensor at a time, never the whole checkpoint in host memory first."""
-    loaded, _ = load_sharded(directory, dtype, torch.device(device or "cpu"), 0, 1, None, max_seq_len, name)
+    loaded, _ = load_sharded(directory, dtype, torch.device(device or "cpu"), 0, 1, None, max_seq_len, name,
+                             fp8_compute=fp8_compute)
     return loaded
 
 
 def load_sharded(directory, dtype: str, device: torch.device, rank: int, tp: int, group,
                  max_seq_len: int | None = None, name: str | None = None,
                  content: str | None = None, pp: int = 1, stage: int = 0,
-                 balance: str = "compute") -> tuple[LoadedModel, VocabShard]:
+                 balance: str = "compute", fp8_compute: str = "auto") -> tuple[LoadedModel, VocabShard]:
     """This rank's model: body shards with their collectives on `group`, and its lm_head vocab shard; under
     PP only its stage's layers (the embedding on the first stage, the final norm and the head on the last).
-    `content`: the checkpoint's hash when the caller computes it (else it is computed here)."""
+    `content`: the checkpoint's hash when the caller computes it (else it is computed here). An FP8 checkpoint
+    (logitserve.quant) is dequantized to `dtype` as it is read, but for the linear layers that run FP8 GEMMs
+    (`fp8_compute`: auto, dequantize or fp8; logitserve.fp8_linear.choose)."""
     from transformers import AutoConfig
 
     t0 = time.perf_counter()
@@ -72,7 +78,9 @@ def load_sharded(directory, dtype: str, device: torch.device, rank: int, tp: int
     config = AutoConfig.from_pretrained(path, local_files_only=True)
     check_layout(config, tp)
     plan = resolve_plan(config) if tp > 1 else Plan((), "")
-    reader = _Reader.of(path, config, DTYPES[dtype], device, place, plan)
+    qc = getattr(config, "quantization_config", None) or getattr(config.get_text_config(), "quantization_config", None)
+    quant = QuantLoad.of(scheme_of(qc), fp8_compute, device, DTYPES[dtype])
+    reader = _Reader.of(path, config, DTYPES[dtype], device, place, plan, quant)
     reader.read_body()
     shard_head, vshard, head_key = reader.read_head()
     stage_input = None
@@ -84,9 +92,10 @@ def load_sharded(directory, dtype: str, device: torch.device, rank: int, tp: int
                       vocab=vshard.vocab_size if reader.kind is ModelKind.CAUSAL_LM else None)
     if reader.kind is not ModelKind.CAUSAL_LM:
         vshard = VocabShard(0, loaded.vocab_size, loaded.vocab_size, None)
-    log.info("rank %d loaded its shards (tp=%d, plan from %s) in %.1f s; peak RSS %.0f MiB",
-             rank, tp, plan.source or "-", time.perf_counter() - t0, peak_rss_mib())
-    return dataclasses.replace(loaded, plan_source=plan.source, stage_input=stage_input,
+    log.info("rank %d loaded its shards (tp=%d, plan from %s) in %.1f s; peak RSS %.0f MiB; weights %.1f MiB%s",
+             rank, tp, plan.source or "-", time.perf_counter() - t0, peak_rss_mib(),
+             weight_bytes(reader.model) / 2**20, f"; {quant.describe()}" if quant.scheme else "")
+    return dataclasses.replace(loaded, plan_source=plan.source, stage_input=stage_input, quantization=quant.describe(),
                                head_checkpoint=(str(path), head_key) if head_key else None), vshard
 
 
@@ -107,9 +116,11 @@ class _Reader:
     layers: Optional[tuple[int, int]]    # --pp: this stage's decoder layers
     skip: Callable[[str, nn.Parameter], bool]   # parameters other stages hold
     tied: bool                           # the lm_head is the input embedding (read once; reading unties them)
+    quant: QuantLoad                     # FP8 weights: which layers keep them for FP8 GEMMs
 
     @classmethod
-    def of(cls, path: Path, config, dtype: torch.dtype, device: torch.device, place: Place, plan: Plan) -> "_Reader":
+    def of(cls, path: Path, config, dtype: torch.dtype, device: torch.device, place: Place, plan: Plan,
+           quant: QuantLoad) -> "_Reader":
         kind = kind_of(config)
         model = _skeleton(config, dtype)
         body = model.base_model
@@ -118,12 +129,13 @@ class _Reader:
         expanded = expand(plan, body)
         if expanded.unused and place.rank == 0:
             log.info("TP plan rules matching nothing in this model: %s", ", ".join(expanded.unused))
-        ckpt = Checkpoint(path)
+        ckpt = Checkpoint(path, quant.scheme)
+        sources = ckpt.sources(model)
         layers, skip = None, (lambda n, p: False)
         if place.pp > 1:
-            layers, skip = _stage_layers(model, body, prefix, kind, place)
-        return cls(model, body, prefix, kind, ckpt, ckpt.sources(model), expanded, dtype, device, place, layers, skip,
-                   _tied(model, config, kind))
+            layers, skip = _stage_layers(model, body, prefix, kind, place, _held_bytes(ckpt, sources, quant, dtype))
+        return cls(model, body, prefix, kind, ckpt, sources, expanded, dtype, device, place, layers, skip,
+                   _tied(model, config, kind), quant)
 
     def _head(self) -> Optional[nn.Module]:
         return find_head(self.model, self.kind) if self.kind is ModelKind.CAUSAL_LM else None
@@ -145,6 +157,9 @@ class _Reader:
                 missing.append(pname)
                 continue
             shard = self.expanded.params.get(pname[len(self.prefix):]) if pname.startswith(self.prefix) else None
+            self._check(pname)
+            if self.quant.linear(model, pname, self.sources[pname], shard, self.ckpt, place.rank, place.tp):
+                continue                      # an Fp8Linear holds this rank's FP8 shard and its scales
             want = torch.float32 if any(k in pname for k in fp32_keep) else self.dtype
             _set(model, pname, self._read(pname, shard, want), True)
         if missing:
@@ -159,18 +174,27 @@ class _Reader:
         if split_embedding:                   # vocab-parallel input embedding, like the head
             self._split_embedding(embedding)
 
+    def _check(self, pname: str, why: str = "fused experts: no FP8 grouped GEMM here") -> None:
+        """Every checkpoint tensor of a parameter is a float or a served FP8 weight (else refused naming it)."""
+        for _, _, key in self.sources[pname].keys:
+            self.ckpt.require_float(key, pname)
+            if self.sources[pname].merge:
+                self.quant.note(pname, key, self.ckpt, why)
+
     def _read(self, name: str, shard, dtype: torch.dtype) -> torch.Tensor:
         """This rank's part of a parameter, a fresh tensor in `dtype` on the device."""
         src = self.sources[name]
         if shard is None and not src.merge and len(src.keys) == 1:
             return self.ckpt.read_whole(src.keys[0][2], dtype, self.device)
         value = self.ckpt.read(name, src, shard, self.place.rank, self.place.tp)
-        return value.to(device=self.device, dtype=dtype, copy=True)
+        fresh = all(k in self.ckpt.scales for _, _, k in src.keys)    # dequantized: a tensor of its own already
+        return value.to(device=self.device, dtype=dtype, copy=not fresh)
 
     def _split_embedding(self, embedding: nn.Embedding) -> None:
         ename = next(n for n, p in self.model.named_parameters() if p is embedding.weight)
         if ename not in self.sources:
             raise ValueError(f"{self.ckpt.directory}: no checkpoint tensor for {ename}")
+        self._check(ename, "the input embedding is read dequantized")
         weight, start, real = _vocab_rows(self.ckpt, self.sources[ename].keys[0][2], embedding.num_embeddings,
                                           self.dtype, self.device, self.place, embedding.embedding_dim)
         embedding.weight = nn.Parameter(weight, requires_grad=False)
@@ -194,6 +218,7 @@ class _Reader:
         attr = head_attr(model, self.kind)
         key_name = f"{attr}.weight" if f"{attr}.weight" in self.sources and not tied else names[id(emb)]
         vocab, hidden, key = int(head.out_features), int(head.in_features), self.sources[key_name].keys[0][2]
+        self._check(key_name, "the lm_head stays in the serving dtype (fp32 logits)")
         if place.stage != place.pp - 1:    # an earlier pipeline stage has no head: an empty one keeps dtype and H
             shard_head = nn.Linear(hidden, 0, bias=False, device=self.device, dtype=self.dtype)
             vshard = VocabShard(0, 0, vocab, None)
@@ -270,20 +295,34 @@ def _tied(model: nn.Module, config, kind: ModelKind) -> bool:
             or bool(getattr(text, "tie_word_embeddings", False)))
 
 
-def _stage_layers(model: nn.Module, body: nn.Module, prefix: str, kind: ModelKind, place: Place):
+def _held_bytes(ckpt: Checkpoint, sources: dict, quant: QuantLoad, dtype: torch.dtype):
+    """(name, param) -> the bytes it will hold: an FP8 weight that may stay FP8 (FP8 GEMMs on for this load) at one
+    byte an element, every other parameter in the serving dtype (logitserve.memory.weight_bytes, once loaded)."""
+    def held(name: str, p) -> int:
+        keys = sources[name].keys if name in sources else []
+        fp8 = quant.may_keep() and bool(keys) and all(k in ckpt.scales for _, _, k in keys) \
+            and not sources[name].merge
+        return p.numel() * (1 if fp8 else dtype.itemsize)
+    return held
+
+
+def _stage_layers(model: nn.Module, body: nn.Module, prefix: str, kind: ModelKind, place: Place, held):
     """(this stage's layers [a, b), skip(name, param)): which parameters other stages hold. Stages balance the
     parameters that compute per token ("compute": the embedding is a lookup and counts 0; the head counts like
-    any GEMM) or all parameters ("memory")."""
+    any GEMM) or the bytes all parameters hold ("memory": held(name, param), FP8 weights at one byte)."""
     pp, stage = place.pp, place.stage
     blocks = getattr(body, "layers", None)
     if not isinstance(blocks, nn.ModuleList):
         raise ValueError(f"{type(body).__name__} has no `layers` list to split into --pp {pp} stages")
-    sizes = [sum(p.numel() for p in b.parameters()) for b in blocks]
+    memory = place.balance == "memory"
+    size = (lambda n, p: held(prefix + n, p)) if memory else (lambda n, p: p.numel())
+    sizes = [sum(size(f"layers.{i}.{n}", p) for n, p in b.named_parameters()) for i, b in enumerate(blocks)]
     emb = model.get_input_embeddings().weight
     head = find_head(model, kind)                   # the lm_head or a reward model's score head: the last stage's
     last_only = {id(p) for p in head.parameters() if p is not emb}
     norm = sum(p.numel() for p in body.norm.parameters()) if hasattr(body, "norm") else 0
-    bounds = split_stages(sizes, emb.numel() if place.balance == "memory" else 0, norm + head.weight.numel(), pp)
+    scale = model.dtype.itemsize if memory else 1    # the embedding, the norm and the head stay in the serving dtype
+    bounds = split_stages(sizes, emb.numel() * scale if memory else 0, (norm + head.weight.numel()) * scale, pp)
     a, b = bounds[stage]
     if stage == 0:
         log.info("pipeline stages (decoder layers): %s", ", ".join(f"[{x}, {y})" for x, y in bounds))

@@ -5,7 +5,9 @@ The head runs `chunk` rows at a time. The body runs each sequence alone
 sequences (packed mode), so a job's peak is the body's activations for its
 longest sequence or a full pack, whichever is more, plus one chunk's logits
 and their temporaries plus the outputs waiting to be sent. The constants are calibrated against measured peak RSS
-(tests/test_memory.py checks the estimate stays above what is measured).
+(tests/test_memory.py checks the estimate stays above what is measured). Activations are in the serving dtype
+whatever the weights are: an FP8 GEMM's quantized copy of its input (one byte an element) sits within the
+hidden copies counted. `weight_bytes` is what a loaded rank's weights hold, FP8 weights at one byte an element.
 """
 from __future__ import annotations
 
@@ -39,6 +41,17 @@ class ModelDims:
         inter = int(getattr(config, "intermediate_size", 0) or getattr(config, "n_inner", 0) or 4 * hidden)
         heads = int(getattr(config, "num_attention_heads", 0) or getattr(config, "n_head", 1))
         return cls(hidden, inter // tp, max(1, heads // tp), vocab_local, dtype_bytes, tp, cp)
+
+
+def weight_bytes(model) -> int:
+    """Bytes a loaded model's parameters and buffers hold on its device, each tensor once (tied ones too) and in
+    its own dtype: an FP8 weight one byte an element, its scales fp32, the rest the serving dtype."""
+    seen, total = set(), 0
+    for t in list(model.parameters()) + list(model.buffers()):
+        if t.device.type != "meta" and id(t) not in seen:
+            seen.add(id(t))
+            total += t.numel() * t.element_size()
+    return total
 
 
 def estimate_peak_bytes(job: Job, dims: ModelDims, chunk: int, pending_pieces: int, window_bytes: int,

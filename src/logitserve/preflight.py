@@ -43,6 +43,26 @@ def check_model_dir(path: Optional[str]) -> None:
         raise StartupError(f"--model {path}: no weights (*.safetensors) in it{hint}")
 
 
+def check_quantization(path: Optional[str]) -> None:
+    """An FP8 checkpoint logitserve serves, or one line naming what it does not (logitserve.quant): the
+    quantization_config and every FP8 tensor's scale, from config.json and the safetensors headers only."""
+    if path is None:
+        return
+    from .checkpoint import Checkpoint
+    from .quant import QuantError, scheme_of
+
+    data = json.loads((Path(path) / "config.json").read_text())
+    qc = data.get("quantization_config") or (data.get("text_config") or {}).get("quantization_config")
+    try:
+        scheme = scheme_of(qc)
+    except QuantError as e:
+        raise StartupError(f"--model {path}: {e}") from None
+    try:
+        Checkpoint(Path(path), scheme)
+    except QuantError as e:            # names the directory and the tensor
+        raise StartupError(str(e)) from None
+
+
 def check_layout(path: Optional[str], demo: str, demo_shape: str, tp: int, cp: int, pp: int = 1) -> None:
     """tp x cp x pp must split this model: checked from its config before any rank starts."""
     if tp < 1 or cp < 1 or pp < 1:

@@ -17,12 +17,14 @@ from .tp_plan import Style
 
 def _row_forward(module: nn.Linear, group, rank: int, split_input: bool):
     weight, bias = module.weight, module.bias     # [out, in/tp], [out] whole
+    # an FP8 layer (fp8_linear.Fp8Linear) runs its own GEMM on its FP8 shard; the bias is added once, after the sum
+    gemm = getattr(module, "gemm", None) or (lambda x: F.linear(x, weight))
 
     def forward(x: torch.Tensor) -> torch.Tensor:
         if split_input:                            # x [.., in] replicated: take this rank's columns
             width = weight.shape[-1]
             x = x.narrow(-1, rank * width, width)
-        y = F.linear(x, weight)                    # [.., out] partial sums
+        y = gemm(x)                                # [.., out] partial sums
         collectives.all_reduce(y, group=group)
         return y if bias is None else y + bias
     return forward

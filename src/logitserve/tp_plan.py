@@ -33,6 +33,7 @@ STYLES = {
     "packed_colwise": Style("out", packed=2),
     "moe_tp_experts": Style("", "reduce"),            # each rank ran its slice of every expert: sum
     "replicated_with_grad_allreduce": Style(""),      # a gradient concern only: replicated at inference
+    "mla_kv_a_proj": Style(""),       # DeepSeek's MLA latent projection: replicated, its grad all-reduce aside
     "replicate": Style(""),
     # The input embedding, split by vocabulary rows with a masked lookup and an all-reduce: the loader does
     # that for every model's input embedding (shard_load, tp_forward.install_vocab_embedding), so the plan
@@ -75,6 +76,7 @@ def resolve_plan(config) -> Plan:
     if not theirs and not ours:
         raise ValueError(f"model_type {model_type!r} has no TP plan (transformers ships no base_model_tp_plan "
                          f"for it and logitserve has none): serve it with --tp 1")
+    ours = {**_tp_experts(text, theirs), **ours}
     rules = {**theirs, **ours, **override}
     unknown = sorted({s for s in rules.values() if s not in STYLES})
     if unknown:
@@ -83,6 +85,20 @@ def resolve_plan(config) -> Plan:
     source = "transformers" if theirs and not (ours or override) else "logitserve" if not theirs \
         else "transformers+logitserve"
     return Plan(tuple(rules.items()), source)
+
+
+def _tp_experts(text, theirs: dict) -> dict[str, str]:
+    """Fused MoE experts that transformers (>= 5.2x) plans for expert parallelism only (token dispatch): served here as
+    transformers 5.20 planned them for TP, each rank holding its slice of every expert's intermediate dimension and
+    one all-reduce of the experts' output, so each rank reads only its slice of the experts."""
+    ep = dict(getattr(text, "base_model_ep_plan", None) or {})
+    out = {}
+    for module, style in ep.items():
+        if style == "ep_dispatch_experts" and module not in theirs and f"{module}.gate_up_proj" in ep \
+                and f"{module}.down_proj" in ep:
+            out.update({f"{module}.gate_up_proj": "packed_colwise", f"{module}.down_proj": "rowwise",
+                        module: "moe_tp_experts"})
+    return out
 
 
 def check_layout(config, tp: int) -> None:
