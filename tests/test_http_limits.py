@@ -328,3 +328,17 @@ def test_open_port_binds_the_http_port_before_loading():
             await listening.close()
 
     asyncio.run(check())
+
+
+def test_a_request_over_its_clients_queue_share_is_413_on_an_idle_server(served):
+    """Issue 43: 1025 x 512 ids are under --max-request-tokens (2^20) but over one client's share of the queue (half
+    of --max-queued-tokens: 2^19) even when nothing is queued: 429 "retry later" every time, before. Permanent: 413
+    naming the bound."""
+    base, _, _ = served
+    body = {"prompt": [[7] * 512] * 1025, "prompt_logprobs": 0, "max_tokens": 0}
+    for _ in range(2):                          # the same answer every time: nothing is queued
+        status, answer, _ = post(base, "/v1/completions", body)
+        assert status == 413, answer
+        message = answer["error"]["message"]
+        assert "--max-queued-tokens-per-client 524288" in message and "524800" in message, message
+        assert "permanent" in message
