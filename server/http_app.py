@@ -32,6 +32,7 @@ from . import http_answer as answer
 from .http_answer import AnswerHold
 from .http_common import Ctx, json_object
 from .http_conn import AcceptErrorFilter, Connections, HttpLimits, guarded_protocol
+from .http_fields import check_fields
 from .requests import Failed
 from .status import route_error, to_http, to_status
 
@@ -121,7 +122,9 @@ class HttpFrontEnd:
             hold = AnswerHold(self.ctx.pipeline.scheduler, client)
             answer.begin(hold)
             try:
-                result = await handler(self.ctx, json_object(await self._body(request)), client)
+                body = json_object(await self._body(request))
+                check_fields(request.url.path, body)      # a field not honoured: 400 naming it, never dropped
+                result = await handler(self.ctx, body, client)
                 if isinstance(result, answer.Deferred):     # encoded on a worker thread, never on the loop
                     response = ChunkedJson(await answer.off_loop(result.build, quick=hold.quick), hold, result.status)
                 else:

@@ -342,3 +342,29 @@ def test_a_request_over_its_clients_queue_share_is_413_on_an_idle_server(served)
         message = answer["error"]["message"]
         assert "--max-queued-tokens-per-client 524288" in message and "524800" in message, message
         assert "permanent" in message
+
+
+@pytest.fixture(scope="module")
+def served_rm(tmp_path_factory):
+    """A CliServer on a scalar llama reward model with the demo tokenizer and a chat template."""
+    from logitserve.demo import demo_tokenizer
+
+    directory = build_model(tmp_path_factory.mktemp("limits_rm") / "rm", "llama", kind="reward", num_labels=1)
+    tok = demo_tokenizer(VOCAB)
+    tok.chat_template = "{% for m in messages %}t11 {{ m['role'] }} {{ m['content'] }} {{ eos_token }} {% endfor %}"
+    tok.save_pretrained(directory)
+    server = CliServer("--model", str(directory), "--http-port", "0", "--no-malloc-tuning")
+    yield server
+    server.stop()
+
+
+def test_chat_messages_are_counted_before_they_are_rendered(served_rm):
+    """Issue 43: 1.9 million empty messages were rendered by the chat template (11 s quiet, the tokenizing pool
+    full) before any size was checked. 100,000 are refused on their count, at the cost of parsing them: 413 naming
+    the field and --max-text-bytes."""
+    body = {"messages": [[{"role": "user", "content": ""}] * 100_000]}
+    err = refused_like_parsing(served_rm, "/get_reward", body, {**body, "add_special_tokens": "no"}, 413)
+    assert err["param"] is None and "messages" in err["message"] and "--max-text-bytes" in err["message"], err
+    assert "100000 messages" in err["message"], err
+    status, out, _ = post(served_rm.http, "/get_reward", {"messages": [[{"role": "user", "content": "t5"}]] * 5000})
+    assert status == 413 and "--max-sequences-per-request" in out["error"]["message"], out   # over 4096 conversations
