@@ -14,7 +14,7 @@ from typing import Any, Optional
 import numpy as np
 import orjson
 
-from logitserve.errors import InvalidRequest, NotFound
+from logitserve.errors import InvalidRequest, NotFound, TooLarge
 from logitserve.tokenizing import check_detokenize_count
 from logitserve.validate import check_candidates_per_row
 
@@ -59,8 +59,20 @@ def fields(body: dict, table: ParamTable, where: str = "", strict: bool = False,
     return table.read(present, where)
 
 
-def json_object(raw: bytes, where: str = "body") -> dict:
-    """A request body as a JSON object, or InvalidRequest saying why not."""
+def json_values_bound(limits) -> int:
+    """The most JSON values (commas) a body may hold: what a request within --max-request-tokens and
+    --max-text-bytes (a comma in a text counts too) and --max-sequences-per-request holds, twice over."""
+    return 2 * (limits.max_request_tokens + limits.max_text_bytes + 16 * limits.max_sequences)
+
+
+def json_object(raw: bytes, where: str = "body", max_values: Optional[int] = None) -> dict:
+    """A request body as a JSON object, or InvalidRequest saying why not. With `max_values`, a body holding more
+    values than that (counted as its commas, at memory speed, before anything is parsed) is TooLarge: parsing
+    and freeing a body costs the event loop time in proportion to its values, so none costs more than a request
+    within the limits can."""
+    if max_values is not None and (n := raw.count(b",")) > max_values:
+        raise TooLarge(f"{where}: {n} JSON values (commas) is over the {max_values} a request within the server's "
+                       f"--max-request-tokens, --max-text-bytes and --max-sequences-per-request can hold")
     try:
         body = orjson.loads(raw)
     except orjson.JSONDecodeError as e:

@@ -368,3 +368,38 @@ def test_chat_messages_are_counted_before_they_are_rendered(served_rm):
     assert "100000 messages" in err["message"], err
     status, out, _ = post(served_rm.http, "/get_reward", {"messages": [[{"role": "user", "content": "t5"}]] * 5000})
     assert status == 413 and "--max-sequences-per-request" in out["error"]["message"], out   # over 4096 conversations
+
+
+def test_bodies_of_millions_of_values_are_refused_before_parsing_and_grpc_keeps_its_latency(served):
+    """Issue 43: six concurrent 63 MB bodies, each refused 413 after orjson parsed (and freed) it on the event loop
+    gRPC shares, pushed a polite gRPC client's max latency to 2.8-4.3 s. A body holding more values than any request
+    within the limits can is refused on its commas before parsing: each 413 naming the bound, gRPC under 1 s."""
+    import concurrent.futures
+    import http.client
+
+    from logitserve.client import TeacherClient
+
+    base, server, _ = served
+    raw = b'{"prompt": [' + b"7," * 31_000_000 + b'7], "max_tokens": 0, "prompt_logprobs": 0}'     # 62 MB
+
+    def send() -> tuple[int, dict]:
+        conn = http.client.HTTPConnection(base.removeprefix("http://"), timeout=120)
+        conn.request("POST", "/v1/completions", raw, {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        out = json.loads(resp.read())
+        conn.close()
+        return resp.status, out
+
+    with TeacherClient(server.address) as c, concurrent.futures.ThreadPoolExecutor(6) as pool:
+        c.logprobs([[1, 2, 3]])
+        futures = [pool.submit(send) for _ in range(6)]
+        latencies = []
+        while not all(f.done() for f in futures):
+            t0 = time.perf_counter()
+            c.logprobs([[1, 2, 3, 4]])
+            latencies.append(time.perf_counter() - t0)
+            time.sleep(0.02)
+        answers = [f.result() for f in futures]
+    assert latencies and max(latencies) < 1.0, sorted(latencies)[-5:]
+    for status, out in answers:
+        assert status == 413 and "JSON values" in out["error"]["message"], out
