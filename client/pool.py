@@ -197,7 +197,8 @@ class AsyncTeacherPool(OutputsMixin):
             while not self._agreed:
                 await self._wait(lambda: any(r.info is not None for r in self._replicas.values()),
                                  self._ready_timeout, "waited ready_timeout_s for a replica's ModelInfo")
-                await self.check_agreement(timeout=min(AGREE_TIMEOUT_S, self._ready_timeout))
+                await self.check_agreement(timeout=min(AGREE_TIMEOUT_S, self._ready_timeout,
+                                                       self._default_timeout or AGREE_TIMEOUT_S))
 
     async def _routable(self, avoid: Sequence[str] = ()) -> dict[str, Replica]:
         """The routable replicas, those in `avoid` (tried by this request) left out while others remain."""
