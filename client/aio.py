@@ -15,7 +15,7 @@ from logitserve.v1 import logitserve_pb2_grpc as pb_grpc
 
 from .api import Detokenized, ModelInfo, OutputsMixin, model_info_of
 from .assemble import Assembly, wanted_fields
-from .errors import LogitServeError
+from .errors import ClientDeadline, LogitServeError
 from .wire import Wanted, build_request
 
 def _pem(value) -> Optional[bytes]:
@@ -29,6 +29,27 @@ def _pem(value) -> Optional[bytes]:
 
 # Responses are chunked under 4 MiB by default; leave room for servers configured larger.
 DEFAULT_MAX_RECEIVE = 64 << 20
+# A request's deadline on the client: its timeout_s plus this (the server's own DEADLINE_EXCEEDED comes first
+# while the server runs at all; past it the server or the network is hung).
+DEADLINE_GRACE_S = 2.0
+# HTTP/2 keepalive: a ping every KEEPALIVE_S on every connection, calls or none; a ping unanswered for as long ends
+# the connection, and every call on it UNAVAILABLE (a stopped or partitioned server). The server accepts pings
+# this often (server.gate); KEEPALIVE_MIN_S is the least interval it accepts.
+KEEPALIVE_S = 10.0
+KEEPALIVE_MIN_S = 1.0
+
+
+def keepalive_options(keepalive_s: Optional[float]) -> list[tuple]:
+    """Channel options for a ping every `keepalive_s` seconds, a connection dropped after as long unanswered."""
+    if keepalive_s is None:
+        return []
+    if keepalive_s < KEEPALIVE_MIN_S:
+        raise ValueError(f"keepalive_s={keepalive_s} must be >= {KEEPALIVE_MIN_S} (the server refuses faster pings)")
+    ms = int(keepalive_s * 1000)
+    # grpc core enforces keepalive_timeout_ms only on a ping of its own, not on one already in flight (a BDP
+    # probe unanswered by a stopped server): ping_timeout_ms bounds every ping
+    return [("grpc.keepalive_time_ms", ms), ("grpc.keepalive_timeout_ms", ms), ("grpc.http2.ping_timeout_ms", ms),
+            ("grpc.keepalive_permit_without_calls", 1), ("grpc.http2.max_pings_without_data", 0)]
 
 
 def service_config(load_balancing: str) -> str:
@@ -63,7 +84,8 @@ class AsyncTeacherClient(OutputsMixin):
     def __init__(self, address: str, *, max_receive_bytes: int = DEFAULT_MAX_RECEIVE,
                  options: Sequence[tuple] = (), tls: bool = False, root_certificates=None,
                  certificate_chain=None, private_key=None, token: Optional[str] = None, streams: int = 1,
-                 retries: int = 3, default_timeout_s: Optional[float] = None, load_balancing: str = "round_robin"):
+                 retries: int = 3, default_timeout_s: Optional[float] = None, load_balancing: str = "round_robin",
+                 keepalive_s: Optional[float] = KEEPALIVE_S):
         """TLS when `tls` or any certificate is given (PEM bytes or a file path; no root_certificates: the
         system's roots); `certificate_chain` + `private_key`: a client certificate for mTLS; `token`: sent
         as `authorization: Bearer <token>` on every call.
@@ -71,12 +93,16 @@ class AsyncTeacherClient(OutputsMixin):
         `address` may name several replicas (`dns:///teacher.svc:50051`, `ipv4:10.0.0.1:50051,10.0.0.2:50051`):
         requests go round-robin over `streams` streams, which the load balancer spreads over the replicas. A
         request that fails UNAVAILABLE before any of its data arrived (a replica draining or lost) is sent
-        again, on a fresh stream, up to `retries` times. `default_timeout_s`: the server-side deadline of
-        requests that set none, and the deadline of model_info."""
+        again, on a fresh stream, up to `retries` times. `default_timeout_s`: the deadline of requests that set
+        none, and of model_info. A request with a deadline (its timeout_s, or this) is sent with it, and ends
+        ClientDeadline (DEADLINE_EXCEEDED) here DEADLINE_GRACE_S after it whatever the server does. `keepalive_s`:
+        a ping on the connection that often (None: never), so a hung or unreachable server ends its calls
+        UNAVAILABLE within about twice that."""
         if streams < 1 or retries < 0:
             raise ValueError(f"streams={streams} must be >= 1 and retries={retries} >= 0")
         opts = [("grpc.max_receive_message_length", max_receive_bytes), ("grpc.max_send_message_length", -1),
-                ("grpc.service_config", service_config(load_balancing)), ("grpc.enable_retries", 1), *options]
+                ("grpc.service_config", service_config(load_balancing)), ("grpc.enable_retries", 1),
+                *keepalive_options(keepalive_s), *options]
         if tls or root_certificates or certificate_chain:
             creds = grpc.ssl_channel_credentials(_pem(root_certificates), _pem(private_key), _pem(certificate_chain))
             self._channel = grpc.aio.secure_channel(address, creds, options=opts)
@@ -185,7 +211,27 @@ class AsyncTeacherClient(OutputsMixin):
         """One try of `submit`: its ForwardResult, or Resendable where UNAVAILABLE came before any data."""
         if wanted.timeout_s is None and self._default_timeout is not None:
             wanted = dataclasses.replace(wanted, timeout_s=self._default_timeout)
-        return await self._submit_once(next(self._turn) % len(self._streams), seqs, wanted, bf16_as_torch)
+        once = self._submit_once(next(self._turn) % len(self._streams), seqs, wanted, bf16_as_torch)
+        if wanted.timeout_s is None:
+            return await once
+        return await self._by_deadline(once, wanted.timeout_s)
+
+    async def _by_deadline(self, once, timeout_s: float):
+        """`once`'s result, or ClientDeadline DEADLINE_GRACE_S past `timeout_s` (its task is cancelled then, not
+        waited for: its cancel may never be written to a hung server)."""
+        task = asyncio.ensure_future(once)
+        try:
+            done, _ = await asyncio.wait({task}, timeout=timeout_s + DEADLINE_GRACE_S)
+        except asyncio.CancelledError:
+            task.cancel()
+            await asyncio.wait({task})
+            raise
+        if task in done:
+            return task.result()
+        task.cancel()
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())
+        raise ClientDeadline(f"no answer within timeout_s {timeout_s:g} s + {DEADLINE_GRACE_S:g} s: the server or "
+                             f"the network is hung")
 
     @property
     def channel(self) -> grpc.aio.Channel:

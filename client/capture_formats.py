@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 import os
 from pathlib import Path
+from typing import Optional
 
 import numpy as np
 
@@ -94,8 +95,26 @@ def _token_rows(ro: np.ndarray, prompts: list, lengths: list) -> tuple[np.ndarra
     return np.concatenate(idx) if idx else np.zeros(0, np.int64), counts
 
 
-def shard_table(fmt: str, t: dict, prompts: list, extras: list, cfg, vocab_size: int):
-    """The pyarrow Table of one shard in `fmt`, from the safetensors tensors `t` of capture._shard_tensors."""
+def extras_schema(extras: list, path) -> dict:
+    """One pyarrow type per extra input field for the whole capture, inferred from every row before anything is
+    asked (a field absent or null in some rows is null there; ints beside floats are floats), so every shard of
+    a capture has one schema and datasets.load_dataset reads them all; a field whose types conflict (a number in
+    one row, a string in another) is a ValueError naming it and the file."""
+    import pyarrow as pa
+
+    out = {}
+    for key in sorted({k for e in extras for k in e}):
+        try:
+            out[key] = pa.array([e.get(key) for e in extras]).type
+        except (pa.ArrowInvalid, pa.ArrowTypeError) as err:
+            raise ValueError(f"{path}: input field {key!r} has conflicting types across rows ({err}); give it one "
+                             f"type in every row (or leave it out) so every shard has one schema") from None
+    return out
+
+
+def shard_table(fmt: str, t: dict, prompts: list, extras: list, cfg, vocab_size: int, schema: Optional[dict] = None):
+    """The pyarrow Table of one shard in `fmt`, from the safetensors tensors `t` of capture._shard_tensors; the
+    extra input fields typed by `schema` (extras_schema: one for the whole capture)."""
     import pyarrow as pa
 
     o, ro = t["offsets"], t["row_offsets"]
@@ -139,10 +158,11 @@ def shard_table(fmt: str, t: dict, prompts: list, extras: list, cfg, vocab_size:
     else:
         raise AssertionError(fmt)                              # check_format refused it before any request
     if fmt in PASSTHROUGH:
-        for key in sorted({k for e in extras for k in e}):
+        types = schema if schema is not None else {k: None for k in sorted({k for e in extras for k in e})}
+        for key, kind in types.items():
             if key in cols:
                 raise ValueError(f"input field {key!r} is a column --format {fmt} writes: rename it in the input")
-            cols[key] = pa.array([e.get(key) for e in extras])
+            cols[key] = pa.array([e.get(key) for e in extras], type=kind)
     return pa.table(cols)
 
 

@@ -244,7 +244,7 @@ def cmd_capture(args) -> int:
 
     import importlib.util
 
-    from .capture import CaptureConfig, capture, verify
+    from .capture import CaptureConfig, capture, verify, verify_checksums
 
     needs = ("safetensors", "tqdm") if args.format == "safetensors" else ("pyarrow", "tqdm")
     missing = [m for m in needs if importlib.util.find_spec(m) is None]
@@ -255,20 +255,22 @@ def cmd_capture(args) -> int:
     cfg = CaptureConfig(topk=args.topk, logprobs=args.logprobs, dtype=args.dtype, temperature=args.temperature,
                         shard_samples=args.shard_samples, batch_samples=args.batch_samples, in_flight=args.in_flight,
                         format=args.format)
-    if args.verify and args.format != "safetensors":
-        print("--verify re-reads safetensors shards: capture with --format safetensors to verify", file=sys.stderr)
-        return 2
     t0 = time.perf_counter()
     with connect(args) as c:
         manifest = capture(c, args.input, args.out, cfg, progress=not args.no_progress)
         took = time.perf_counter() - t0
         shards = sorted(Path(args.out).glob("shard-*.safetensors" if args.format == "safetensors" else
                                             "shard-*.parquet"))
-        print(f"captured {manifest['input']['samples']} samples into {len(shards)} shards in {took:.1f} s "
-              f"({sum(f.stat().st_size for f in shards) / 2**20:.1f} MiB) under {args.out}")
+        run = manifest["run"]
+        skipped = f", skipped {run['skipped']} captured by an earlier run" if run["skipped"] else ""
+        print(f"captured {run['captured']} samples{skipped}; {manifest['input']['samples']} samples into "
+              f"{len(shards)} shards in {took:.1f} s ({sum(f.stat().st_size for f in shards) / 2**20:.1f} MiB) "
+              f"under {args.out}")
         if args.verify:
-            print(f"verified {args.verify} samples against the live teacher: max |diff| "
-                  f"{verify(c, args.out, args.verify):.3g}")
+            print(f"verified the checksums of {verify_checksums(args.out)} shards")
+            if args.format == "safetensors":
+                print(f"verified {args.verify} samples against the live teacher: max |diff| "
+                      f"{verify(c, args.out, args.verify):.3g}")
     return 0
 
 

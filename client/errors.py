@@ -31,3 +31,12 @@ class ReplicasDisagree(LogitServeError):
         super().__init__(grpc.StatusCode.FAILED_PRECONDITION,
                          f"replicas serve different models (every replica must serve the same weights): {listed}")
         self.hashes = dict(hashes)
+
+
+class ClientDeadline(LogitServeError):
+    """DEADLINE_EXCEEDED found by the client itself: no answer came back within the request's timeout_s and a grace
+    (a hung or partitioned server; a server that is merely slow answers DEADLINE_EXCEEDED itself first). A
+    TeacherPool takes its replica out and sends the request to another."""
+
+    def __init__(self, details: str):
+        super().__init__(grpc.StatusCode.DEADLINE_EXCEEDED, details)

@@ -12,7 +12,7 @@ import grpc
 from .agreement import Agreement, check_agreement
 from .aio import Resendable, resending
 from .api import ModelInfo, OutputsMixin
-from .errors import LogitServeError
+from .errors import ClientDeadline, LogitServeError
 from .replica import Replica, ReplicaState, dns_target, resolve
 from .routing import DEFAULT_PREFIX_TOKENS, Affinity, Routing, group_key, plan, prefix_key
 from .scatter import check_per_sequence, cut, merge
@@ -20,6 +20,7 @@ from .wire import Wanted
 
 log = logging.getLogger("logitserve.client.pool")
 GroupKey = Union[str, bytes, int]
+AGREE_TIMEOUT_S = 10.0     # ModelInfo's deadline when the first request checks the replicas' models
 
 
 class AsyncTeacherPool(OutputsMixin):
@@ -48,7 +49,9 @@ class AsyncTeacherPool(OutputsMixin):
         self._ready_timeout, self._resolve_every = ready_timeout_s, resolve_every_s
         self._default_timeout = default_timeout_s
         self._replicas: dict[str, Replica] = {}
-        self._hash: Optional[str] = None         # the pool's model: the first admitted, or the agreed one
+        self._hash: Optional[str] = None         # the pool's model: the one its replicas agreed on
+        self._agreed = False                     # every replica that answered was checked for one model
+        self._agree_lock: Optional[asyncio.Lock] = None
         self._prefix = routing.prefix_tokens
         self._changed: Optional[asyncio.Event] = None
         self._tasks: list[asyncio.Task] = []
@@ -59,7 +62,7 @@ class AsyncTeacherPool(OutputsMixin):
     def _start(self) -> None:
         if self._started:
             return
-        self._started, self._changed = True, asyncio.Event()
+        self._started, self._changed, self._agree_lock = True, asyncio.Event(), asyncio.Lock()
         self._update(set(self._literal))
         if self._dns:
             self._tasks.append(asyncio.ensure_future(self._resolve_loop()))
@@ -111,9 +114,9 @@ class AsyncTeacherPool(OutputsMixin):
             self._changed = asyncio.Event()
 
     def _admit(self, replica: Replica, info: ModelInfo) -> None:
-        if self._hash is None:
-            self._hash = info.content_hash
-        if info.content_hash != self._hash:
+        """A replica's ModelInfo as it says SERVING: refused when its model is not the one the pool agreed on
+        (before that agreement no request is routed: _agree)."""
+        if self._hash is not None and info.content_hash != self._hash:
             replica.refused = f"content_hash {info.content_hash}, the pool serves {self._hash}"
             log.error("replica %s refused: it serves %s (content_hash %s), the pool %s", replica.address,
                       info.name, info.content_hash, self._hash)
@@ -147,7 +150,7 @@ class AsyncTeacherPool(OutputsMixin):
         self._start()
         agreement = await check_agreement(list(self._replicas.values()), probe, atol, timeout)
         if agreement.hashes:
-            self._hash = next(iter(agreement.hashes.values()))
+            self._hash, self._agreed = next(iter(agreement.hashes.values())), True
             for r in self._replicas.values():
                 if r.info is not None and r.info.content_hash == self._hash:
                     r.refused = None
@@ -187,9 +190,21 @@ class AsyncTeacherPool(OutputsMixin):
             except asyncio.TimeoutError:
                 pass
 
+    async def _agree(self) -> None:
+        """Before the first request is routed (wait_ready or not): every replica that answers ModelInfo serves one
+        model (ReplicasDisagree naming each otherwise); one that did not answer is checked as it comes up."""
+        async with self._agree_lock:
+            while not self._agreed:
+                await self._wait(lambda: any(r.info is not None for r in self._replicas.values()),
+                                 self._ready_timeout, "waited ready_timeout_s for a replica's ModelInfo")
+                await self.check_agreement(timeout=min(AGREE_TIMEOUT_S, self._ready_timeout,
+                                                       self._default_timeout or AGREE_TIMEOUT_S))
+
     async def _routable(self, avoid: Sequence[str] = ()) -> dict[str, Replica]:
         """The routable replicas, those in `avoid` (tried by this request) left out while others remain."""
         self._start()
+        if not self._agreed:
+            await self._agree()
         await self._wait(lambda: any(r.routable for r in self._replicas.values()), self._ready_timeout,
                          "waited ready_timeout_s")
         ok = {a: r for a, r in self._replicas.items() if r.routable}
@@ -245,6 +260,9 @@ class AsyncTeacherPool(OutputsMixin):
             except Resendable:
                 part.replica.lost()
                 raise
+            except ClientDeadline as e:      # a hung replica (not even its own DEADLINE_EXCEEDED came): out, and
+                part.replica.lost()          # the part goes to another with its timeout_s afresh
+                raise Resendable(e) from None
         try:
             return await resending(attempt, self._retries)
         finally:

@@ -13,6 +13,7 @@ from typing import Any, Sequence
 from .api import OutputsMixin
 from .assemble import ForwardResult
 from .errors import LogitServeError
+from .scatter import check_per_sequence
 from .sync import result_off_loop
 from .wire import Wanted
 
@@ -130,6 +131,7 @@ class _Teachers(Mapping):
 
     def _plan(self, seqs: Sequence, wanted: Wanted, teacher: Sequence):
         """(teacher id, rows, its seqs, its Wanted) per teacher in the request."""
+        check_per_sequence(wanted, len(seqs))
         rows = route(teacher, len(seqs), self._clients)
         return [(t, r, [seqs[i] for i in r], share(wanted, r)) for t, r in rows.items()]
 

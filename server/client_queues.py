@@ -3,7 +3,7 @@
 Batches take the clients' oldest jobs in turn: a client served goes to the back of the rotation, so one
 client's hundred queued requests do not put another's one behind them. Jobs continuing a prefix that a
 batch holds are found by their keys (server.grouping.QueuedKeys) and taken out of turn without moving
-their client. Not thread-safe: the scheduler holds its lock around every call.
+their client; a small job taken between a long batch's steps comes with its own client's mates only. Not thread-safe: the scheduler holds its lock around every call.
 """
 from __future__ import annotations
 
@@ -39,9 +39,10 @@ class ClientQueues:
         """Whether a queued job has a sequence under one of these prefix keys."""
         return self._keys.holds(shares)
 
-    def mates(self, keys) -> Iterator[Ticket]:
-        """Queued jobs with a sequence under one of `keys` (a snapshot: safe to take from)."""
-        return self._keys.mates(keys)
+    def mates(self, keys, client: Optional[str] = None) -> Iterator[Ticket]:
+        """Queued jobs with a sequence under one of `keys`, only `client`'s when given (a snapshot: safe to take
+        from)."""
+        return self._keys.mates(keys, client)
 
     def peek(self) -> Optional[Ticket]:
         """The next job in turn: the oldest of the client at the front of the rotation."""
@@ -79,9 +80,11 @@ class ClientQueues:
         """Queued jobs of at most `cap` work tokens, that many tokens in all: the clients' oldest in turn (one
         each per round, from the front of the rotation; a client served goes to its back; within a client, the
         first of its oldest SCAN jobs that may be taken and fits). A job with queued
-        mates (jobs under one of its prefix keys) is taken with all of them or not at all, so the group is not
-        taken apart (apart, its prefix is computed once more); in grouped mode a shareable job admitted after
-        `held_after` (None: not grouped) may be a group's first, and waits (a lone one at most that long)."""
+        mates (its own client's jobs under one of its prefix keys) is taken with all of them or not at all, so the
+        group is not taken apart (apart, its prefix is computed once more); in grouped mode a shareable job admitted
+        after `held_after` (None: not grouped) may be a group's first, and waits (a lone one at most that long).
+        Mates never cross clients: another client's queued jobs with the same prompt (a shared system prompt, or
+        parts made to look like one) never hold a client's small job back until their long batch has run."""
         taken, tokens = [], 0
         while True:
             served = []
@@ -109,9 +112,9 @@ class ClientQueues:
         return []
 
     def _together(self, ticket: Ticket, held_after: Optional[float]) -> list[Ticket]:
-        """The job with its queued mates, in admission order; none while one of them may still be joined by more
-        of its group (admitted after held_after, in grouped mode)."""
-        group = list(self.mates(s.key for s in ticket.shares)) if ticket.shares else [ticket]
+        """The job with its client's queued mates, in admission order; none while one of them may still be joined by
+        more of its group (admitted after held_after, in grouped mode)."""
+        group = list(self.mates((s.key for s in ticket.shares), ticket.client)) if ticket.shares else [ticket]
         if held_after is not None and any(t.shares and t.admitted > held_after for t in group):
             return []
         return group

@@ -137,6 +137,8 @@ async def open_port(config) -> Listening:
         ("grpc.keepalive_timeout_ms", int(config.keepalive_timeout_s * 1000)),
         ("grpc.http2.min_ping_interval_without_data_ms", 5000),
         ("grpc.keepalive_permit_without_calls", 1),
+        # clients' keepalive pings (logitserve.client.aio.KEEPALIVE_MIN_S): at most one a second; faster ones strike
+        ("grpc.http2.min_recv_ping_interval_without_data_ms", 1000),
         ("grpc.max_connection_idle_ms", int(config.max_connection_idle_s * 1000)),
         ("grpc.so_reuseport", 0),          # gRPC's default is on: two servers would share the port silently
     ], interceptors=[auth] if auth else None)

@@ -138,11 +138,13 @@ class QueuedKeys:
         """Whether, with a queued job that has these `shares`, another queued job has a sequence under one of its keys."""
         return any(len(self._by.get(s.key, ())) > 1 for s in shares)
 
-    def mates(self, keys: Iterable[bytes]) -> Iterator[Hashable]:
-        """Queued jobs with a sequence under one of `keys` (each once); a snapshot, safe to remove from."""
+    def mates(self, keys: Iterable[bytes], client: Optional[str] = None) -> Iterator[Hashable]:
+        """Queued jobs with a sequence under one of `keys` (each once), only `client`'s when given (a job's `client`
+        attribute); a snapshot, safe to remove from."""
         seen: dict[Hashable, None] = {}
         for k in list(keys):
             for job in self._by.get(k, ()):
-                seen[job] = None
+                if client is None or getattr(job, "client", None) == client:
+                    seen[job] = None
         return iter(list(seen))
 

@@ -30,8 +30,9 @@ from logitserve.errors import InvalidRequest, TooLarge
 from . import generative_scoring, openai_api, reward_api, sglang_api, trl_api
 from . import http_answer as answer
 from .http_answer import AnswerHold
-from .http_common import Ctx, json_object
+from .http_common import Ctx, json_object, json_values_bound
 from .http_conn import AcceptErrorFilter, Connections, HttpLimits, guarded_protocol
+from .http_fields import check_fields
 from .requests import Failed
 from .status import route_error, to_http, to_status
 
@@ -66,6 +67,7 @@ class HttpFrontEnd:
         self.ctx = ctx
         self.connections = Connections(limits)
         self._max_request_bytes = max_request_bytes
+        self._max_values = json_values_bound(ctx.pipeline.stream_limits)   # bodies bounded before they are parsed
         self._auth = auth                   # security.TokenAuth, or None
         self._server: Optional[uvicorn.Server] = None
         self._task = None
@@ -121,7 +123,9 @@ class HttpFrontEnd:
             hold = AnswerHold(self.ctx.pipeline.scheduler, client)
             answer.begin(hold)
             try:
-                result = await handler(self.ctx, json_object(await self._body(request)), client)
+                body = json_object(await self._body(request), max_values=self._max_values)
+                check_fields(request.url.path, body)      # a field not honoured: 400 naming it, never dropped
+                result = await handler(self.ctx, body, client)
                 if isinstance(result, answer.Deferred):     # encoded on a worker thread, never on the loop
                     response = ChunkedJson(await answer.off_loop(result.build, quick=hold.quick), hold, result.status)
                 else:

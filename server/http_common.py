@@ -14,7 +14,7 @@ from typing import Any, Optional
 import numpy as np
 import orjson
 
-from logitserve.errors import InvalidRequest, NotFound
+from logitserve.errors import InvalidRequest, NotFound, TooLarge
 from logitserve.tokenizing import check_detokenize_count
 from logitserve.validate import check_candidates_per_row
 
@@ -25,14 +25,54 @@ from .dense import Dense
 from .requests import Decoded, Pipeline, Request
 
 
-def fields(body: dict, table: ParamTable, where: str = "") -> dict[str, Any]:
-    """The table's fields of a JSON body, typed (null = absent); fields not in the table are left to the caller."""
-    present = {k: v for k, v in body.items() if k in table.params and v is not None}
+_ANY = object()
+# Fields accepted beside a route's own (server/http_fields.py) or a table's (`fields(strict=True)`) only with a value
+# that asks for nothing this server would do otherwise: name -> those values; any other value is refused naming it.
+INERT: dict[str, tuple] = {
+    "user": (_ANY,),                          # OpenAI's end-user id: informational
+    "request_id": (_ANY,),                    # vLLM's: names the request only
+    "priority": (0,),                         # vLLM's scheduling priority (this server has client fairness)
+    "truncate_prompt_tokens": (-1,),          # -1: the model's length; longer prompts are refused here
+    "stream": (False,),
+    "echo": (False,),
+    "n": (1,),
+    "add_generation_prompt": (False,),        # a scored conversation ends with its last turn
+    "continue_final_message": (False,),
+    # sampling knobs at their no-op values (nothing is sampled here: logprobs of given tokens, the greedy token)
+    "top_p": (1,), "top_k": (-1, 0), "min_p": (0,), "repetition_penalty": (1,),
+    "frequency_penalty": (0,), "presence_penalty": (0,),
+    "skip_special_tokens": (False,),          # SGLang's (slime sends false): a token's text here keeps them
+}
+
+
+def is_inert(name: str, value: Any) -> bool:
+    """Whether `value` of a field this server does not act on asks for nothing (INERT)."""
+    return any(a is _ANY or (a == value and isinstance(a, bool) == isinstance(value, bool))
+               for a in INERT.get(name, ()))
+
+
+def fields(body: dict, table: ParamTable, where: str = "", strict: bool = False, also: tuple = ()) -> dict[str, Any]:
+    """The table's fields of a JSON body, typed (null = absent); fields not in the table are left to the caller,
+    or with `strict` refused naming the first (unless INERT or in `also`, those the caller reads itself)."""
+    present = {k: v for k, v in body.items() if v is not None and (
+        k in table.params or (strict and k not in also and not is_inert(k, v)))}
     return table.read(present, where)
 
 
-def json_object(raw: bytes, where: str = "body") -> dict:
-    """A request body as a JSON object, or InvalidRequest saying why not."""
+def json_values_bound(limits) -> int:
+    """The most JSON values (commas) a body may hold: what a request within --max-request-tokens and
+    --max-text-bytes (a comma in a text counts too) and --max-sequences-per-request holds, twice over."""
+    return 2 * (limits.max_request_tokens + limits.max_text_bytes + 16 * limits.max_sequences)
+
+
+def json_object(raw: bytes, where: str = "body", max_values: Optional[int] = None) -> dict:
+    """A request body as a JSON object, or InvalidRequest saying why not. With `max_values`, a body holding more
+    values than that (counted as its commas, at memory speed, before anything is parsed) is TooLarge: parsing
+    and freeing a body costs the event loop time in proportion to its values, so none costs more than a request
+    within the limits can."""
+    if max_values is not None and (n := raw.count(b",")) > max_values:
+        raise TooLarge(f"{where}: {n} JSON values (commas) is over the {max_values} a request within the server's "
+                       f"--max-request-tokens, --max-text-bytes and --max-sequences-per-request can hold")
     try:
         body = orjson.loads(raw)
     except orjson.JSONDecodeError as e:

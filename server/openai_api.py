@@ -288,7 +288,7 @@ def _generate_plan(ctx: Ctx, body: dict) -> tuple[GeneratePlan, Decoded]:
     sp = body.get("sampling_params")
     if not isinstance(sp, dict):
         raise InvalidRequest("sampling_params", "an object is needed (vLLM's SamplingParams)")
-    s = fields(sp, SAMPLING, "sampling_params.")
+    s = fields(sp, SAMPLING, "sampling_params.", strict=True, also=("prompt_logprob_token_ids",))
     if p.get("stream"):
         raise InvalidRequest("stream", "this server answers whole; set stream to false")
     V = ctx.loaded.vocab_size

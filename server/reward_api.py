@@ -100,7 +100,7 @@ async def get_reward(ctx: Ctx, body: dict, client: str):
     if query == [] or messages == []:
         return {"rewards": [], "scores": [], "extra_logs": {}}
     if messages is not None:
-        convs = conversations(messages, "messages")
+        convs = conversations(ctx, messages, "messages")
         prepare = partial(tokenize_chat, ctx, convs, client, "messages")
     else:
         prepare = partial(tokenize_templated, ctx, text_list(query, "query"), client, "query",
@@ -115,7 +115,7 @@ async def _slime(ctx: Ctx, body: dict, client: str) -> float:
     if not isinstance(response, str):
         raise InvalidRequest("response", f"slime's sample: the response text is needed, got {type(response).__name__}")
     if isinstance(prompt, list):
-        conv = conversations(prompt, "prompt")
+        conv = conversations(ctx, prompt, "prompt")
         if len(conv) != 1:
             raise InvalidRequest("prompt", "one conversation (a list of messages) is needed")
         convs = [conv[0] + [{"role": "assistant", "content": response}]]
@@ -150,7 +150,7 @@ async def embeddings(ctx: Ctx, body: dict, client: str) -> dict:
     ctx.check_model(p.get("model"))
     if body.get("messages") is not None:
         where = "messages"
-        prepare = partial(tokenize_chat, ctx, conversations(body["messages"], where), client, where)
+        prepare = partial(tokenize_chat, ctx, conversations(ctx, body["messages"], where), client, where)
     else:
         where = "input"
         prepare = partial(texts_or_ids, ctx, body.get("input"), client, where, p.get("add_special_tokens", True))

@@ -39,7 +39,7 @@ import time
 from typing import AsyncIterator, Callable, Iterator, Optional
 
 from logitserve.cost import Cost
-from logitserve.errors import OverLimit
+from logitserve.errors import OverLimit, TooLarge
 from logitserve.events import Event, JobDone, JobFailed, JobPiece, Piece, SharedTokens, StageTime
 from logitserve.spec import Job
 
@@ -122,6 +122,11 @@ class Scheduler:
         work = cost.work_tokens if cost is not None else job.num_tokens
         hold = self._hold(cost, extra_hold)
         self._budget.check_alone(hold, peak)
+        share, flag = ((c.client_queued_tokens, "--max-queued-tokens-per-client")
+                       if c.client_queued_tokens < c.max_queued_tokens else (c.max_queued_tokens, "--max-queued-tokens"))
+        if work > share:        # over its client's share of an empty queue: refused every time, so permanent (413)
+            raise TooLarge(f"queue: {work} tokens in this request > {flag} {share}, one client's share even of an "
+                           f"empty queue (tokens weighted by filters and top-k work)")
         with self._cond:
             if self._work.total + work > c.max_queued_tokens:
                 raise OverLimit(f"queue full: {self._work.total} tokens queued + {work} in this request > "

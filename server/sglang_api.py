@@ -63,7 +63,7 @@ def _sampling(body: dict, n: int) -> tuple[float, int]:
     items = sp if isinstance(sp, list) else [sp]
     if not all(isinstance(x, dict) for x in items) or (isinstance(sp, list) and len(sp) != n):
         raise InvalidRequest("sampling_params", "an object (or one per input) is needed")
-    read = [fields(x, SAMPLING, "sampling_params.") for x in items]
+    read = [fields(x, SAMPLING, "sampling_params.", strict=True) for x in items]
     temps = {1.0 if r.get("temperature", 1.0) == 0 else r.get("temperature", 1.0) for r in read}
     gens = {r.get("max_new_tokens", 0) for r in read}
     if len(temps) > 1:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Optional
 
 import numpy as np
 
@@ -129,12 +130,16 @@ CLASSIFY = ParamTable(Param("model", str, "the served model's name"),
                       Param("add_special_tokens", bool, "text inputs: the tokenizer's special tokens (BOS)"))
 
 
-async def _scores(ctx: Ctx, client: str, inputs, special: bool, where: str) -> tuple[tuple, np.ndarray]:
-    """(ids per input, raw scores [B, num_labels]) from the engine."""
+async def _scores(ctx: Ctx, client: str, inputs, special: bool, where: str,
+                  convs: Optional[list] = None) -> tuple[tuple, np.ndarray]:
+    """(ids per input, raw scores [B, num_labels]) from the engine; `convs`: chat conversations, rendered as the
+    inputs once the request is admitted."""
     async with ctx.pipeline.request(new_id("classify"), client) as r:
         if ctx.loaded.kind is ModelKind.CAUSAL_LM:     # a token classifier (PRM): its last token's scores
             raise NotSupported(where, "this server holds a causal LM: POST /v1/completions, /generate or "
                                       "/get_sequence_logprobs/")
+        if convs is not None:
+            inputs = await render_chat(ctx, convs, client, where)
         prompts = await ctx.prompts(inputs, where, client, "a text, token ids, or a non-empty list of either is "
                                                            "needed", special)
         out = await ctx.collect(r, Decoded(Job(sequences=prompts.seqs, scores=True), sequences_field=where,
@@ -163,11 +168,11 @@ async def classify(ctx: Ctx, body: dict, client: str) -> dict:
         return await _sglang_classify(ctx, body, client)
     p = fields(body, CLASSIFY)
     ctx.check_model(p.get("model"))
-    inputs, special, where = body.get("input"), p.get("add_special_tokens", True), "input"
+    inputs, special, where, convs = body.get("input"), p.get("add_special_tokens", True), "input", None
     if body.get("messages") is not None and inputs is None:     # vLLM's chat form: the template places the tokens
         where, special = "messages", False
-        inputs = await render_chat(ctx, conversations(body["messages"], where), where)
-    seqs, raw = await _scores(ctx, client, inputs, special, where)
+        convs = conversations(ctx, body["messages"], where)
+    seqs, raw = await _scores(ctx, client, inputs, special, where, convs)
     probs = activated(raw)
     values = probs if use_activation(p) else raw.astype(np.float64)
     labels = getattr(ctx.loaded.model.config, "id2label", None) or {}

@@ -2,8 +2,9 @@
 
 Each behaviour runs in its own thread with its own bearer token (its own client identity) until SECONDS pass:
 stalled readers, stream hoarders, oversized texts, oversized candidate arrays, k = V requests, cancel storms
-and hang-ups; with CHAOS_HTTP_PORT set, on the HTTP port too: whole-vocabulary answers read slowly, the same
-never read, hundreds of idle connections, made-up bearers. Prints one JSON line of what each saw (status code
+and hang-ups, group parts whose prompt another client's requests share, a pool with a hung replica; with
+CHAOS_HTTP_PORT set, on the HTTP port too: whole-vocabulary answers read slowly, the same never read, hundreds of
+idle connections, made-up bearers, chat bodies of 200,000 messages. Prints one JSON line of what each saw (status code
 names and counts)."""
 from __future__ import annotations
 
@@ -220,14 +221,80 @@ def http_forged(port: int, token: str, until: float) -> None:
         time.sleep(0.05)
 
 
-HTTP_BEHAVIOURS = (http_big, http_nonreader, http_idle, http_forged)
+def http_messages(port: int, token: str, until: float) -> None:
+    """Chat bodies of 200,000 empty messages to /classify: refused 413 on their count, never rendered (issue 43)."""
+    body = json.dumps({"messages": [[{"role": "user", "content": ""}] * 200_000]}).encode()
+    while time.monotonic() < until:
+        s = socket.socket()
+        s.bind(("127.0.0.6", 0))
+        s.connect(("127.0.0.1", port))
+        s.sendall(f"POST /classify HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\nauthorization: "
+                  f"Bearer {token}\r\nconnection: close\r\ncontent-length: {len(body)}\r\n\r\n".encode() + body)
+        try:
+            seen["http-messages"][_status(s)] += 1
+        except OSError:
+            seen["http-messages"]["cut"] += 1
+        s.close()
+        time.sleep(0.5)
+
+
+HTTP_BEHAVIOURS = (http_big, http_nonreader, http_idle, http_forged, http_messages)
+
+
+def mates(address: str, token: str, until: float) -> None:
+    """Issue 43's cross-client mates: 16 requests sharing a 64-token system prompt (their prompt_lengths make the
+    answers small) queued beside a longer request, every 2 s, from one client: the server stays in grouped
+    mode."""
+    rng = np.random.default_rng(5)
+    prompt = rng.integers(3, V, 64)
+    k = 0
+    with grpc.insecure_channel(address, options=OPTS) as ch:
+        stub = pb_grpc.LogitServeStub(ch)
+        while time.monotonic() < until:
+            def reqs():
+                for j in range(16):
+                    seq = np.concatenate([prompt, rng.integers(3, V, 8)]).astype("<i4")
+                    r = pb.ForwardRequest(request_id=f"m{k}-{j}", prompt_lengths=[len(seq) - 1],
+                                          sequences=[pb.Tensor(dtype=pb.INT32, shape=[len(seq)], data=seq.tobytes())])
+                    r.logprobs.SetInParent()
+                    yield r
+                big = pb.ForwardRequest(request_id=f"long{k}", sequences=[ids(256, k)])
+                big.logprobs.SetInParent()
+                yield big
+            record("mates", stub.Forward(reqs(), metadata=meta(token)))
+            k += 1
+            time.sleep(2.0)
+
+
+def hung_replica(address: str, token: str, until: float) -> None:
+    """A TeacherPool over the server and a replica that hangs (a listening socket never read: what a SIGSTOPped
+    process looks like): every request ends within its deadline + 5 s (else "late"), served by the live one."""
+    from logitserve.client import LogitServeError, TeacherPool
+
+    hung = socket.socket()
+    hung.bind(("127.0.0.1", 0))
+    hung.listen(64)
+    with TeacherPool([address, f"127.0.0.1:{hung.getsockname()[1]}"], token=token, default_timeout_s=3,
+                     keepalive_s=1) as pool:
+        k = 0
+        while time.monotonic() < until:
+            t0 = time.monotonic()
+            try:
+                pool.logprobs([np.random.default_rng(k).integers(3, V, 80)])
+                code = "OK"
+            except LogitServeError as e:
+                code = e.code.name
+            seen["hung-replica"][code if time.monotonic() - t0 <= 3 + 5 else "late"] += 1
+            k += 1
+            time.sleep(0.2)
+    hung.close()
 
 
 def main() -> None:
     address, seconds, *tokens = sys.argv[1:]
     until = time.monotonic() + float(seconds)
     http = os.environ.get("CHAOS_HTTP_PORT")      # the HTTP port: its hostile clients too
-    behaviours = [(b.__name__, b, address) for b in (stall, hoard, oversized, cancel_storm)]
+    behaviours = [(b.__name__, b, address) for b in (stall, hoard, oversized, cancel_storm, mates, hung_replica)]
     behaviours += [(b.__name__, b, int(http)) for b in HTTP_BEHAVIOURS] if http else []
     only = os.environ.get("CHAOS_ONLY")           # behaviours by name (comma-separated), to find what costs what
     if only:

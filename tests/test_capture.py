@@ -129,3 +129,76 @@ def test_prompt_lengths_capture_only_the_response_rows(exact_teacher, tmp_path):
     with pytest.raises(ValueError, match="prompt_length 4"):
         with TeacherClient(exact_teacher.address) as c:
             capture(c, bad, tmp_path / "bad", CFG, progress=False)
+
+
+def _small(tmp_path, rows, name="small.jsonl"):
+    path = tmp_path / name
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+SMALL = [{"ids": [5 + i, 6, 7, 8, 9]} for i in range(8)]
+
+
+def test_a_shard_corrupted_on_disk_is_refused_on_resume_and_by_the_reader(exact_teacher, tmp_path):
+    """Issue 43: a shard altered on disk was skipped on resume and read back as altered values with no error."""
+    data, out = _small(tmp_path, SMALL), tmp_path / "out"
+    with TeacherClient(exact_teacher.address) as c:
+        capture(c, data, out, CFG, progress=False)
+        shard = out / "shard-00001.safetensors"
+        raw = bytearray(shard.read_bytes())
+        raw[-8] ^= 0x40                                  # one bit of the last value
+        shard.write_bytes(bytes(raw))
+        with pytest.raises(ValueError, match="shard-00001.safetensors: checksum"):
+            list(read_capture(out))
+        with pytest.raises(ValueError, match="shard-00001.safetensors: checksum"):
+            capture(c, data, out, CFG, progress=False)
+    check = subprocess.run(_cli_capture(exact_teacher.address, data, out, "--verify", "2"), capture_output=True,
+                           text=True, timeout=300)
+    assert check.returncode != 0 and "shard-00001.safetensors: checksum" in check.stderr, check.stderr[-2000:]
+
+
+def test_shards_without_a_manifest_are_not_adopted(exact_teacher, tmp_path):
+    """Issue 43: an --out whose manifest was deleted adopted another capture's shards (k=8 shards under k=16)."""
+    data, out = _small(tmp_path, SMALL), tmp_path / "out"
+    with TeacherClient(exact_teacher.address) as c:
+        capture(c, data, out, CFG, progress=False)
+        (out / "manifest.json").unlink()
+        with pytest.raises(ValueError, match="no manifest.json"):
+            capture(c, data, out, CaptureConfig(topk=16, shard_samples=4, batch_samples=2), progress=False)
+        assert not (out / "manifest.json").exists()
+
+
+@pytest.mark.parametrize("row, why", [({"text": None}, "text must be a non-empty string"),
+                                      ({"ids": [5, 6.7, 8]}, r"ids\[1\] = 6.7 is not an integer"),
+                                      ({"ids": [5, 6, 7], "prompt_length": True}, "prompt_length True"),
+                                      ({"ids": [5, VOCAB, 7]}, r"ids\[1\] = %d is outside" % VOCAB),
+                                      ({"ids": [5] * 600}, "600 ids is over the teacher's max_sequence_length")])
+def test_a_bad_row_is_named_by_file_and_line_before_anything_is_written(exact_teacher, tmp_path, row, why):
+    """Issue 43: {"text": null} was captured as the text "None", float ids truncated, a boolean prompt_length
+    passed, and a bad row's error named sequences[1] of a batch and left an empty manifest.json."""
+    data, out = _small(tmp_path, SMALL[:2] + [row] + SMALL[2:]), tmp_path / "out"
+    with TeacherClient(exact_teacher.address) as c, pytest.raises(ValueError, match=why) as e:
+        capture(c, data, out, CFG, progress=False)
+    assert f"{data}:3:" in str(e.value)
+    assert not (out / "manifest.json").exists() and not list(out.glob("shard-*"))
+
+
+def test_a_rerun_that_skipped_everything_says_so(exact_teacher, tmp_path):
+    """Issue 43: a rerun that captured nothing printed "captured 41 samples"."""
+    data, out = _small(tmp_path, SMALL), tmp_path / "out"
+    first = subprocess.run(_cli_capture(exact_teacher.address, data, out), capture_output=True, text=True, timeout=300)
+    assert first.returncode == 0 and "captured 8 samples;" in first.stdout, first.stdout + first.stderr[-2000:]
+    again = subprocess.run(_cli_capture(exact_teacher.address, data, out), capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0 and "captured 0 samples, skipped 8 captured by an earlier run" in again.stdout, \
+        again.stdout
+
+
+def test_a_row_the_server_refuses_is_named_by_file_and_line(exact_teacher, tmp_path):
+    """A text whose tokens are over the teacher's length is refused by the server: the error names the input line,
+    not sequences[1] of a batch."""
+    long_text = {"text": " ".join(["t5"] * 600)}
+    data, out = _small(tmp_path, SMALL[:3] + [long_text] + SMALL[3:]), tmp_path / "out"
+    with TeacherClient(exact_teacher.address) as c, pytest.raises(Exception, match=f"{data}:4: ") as e:
+        capture(c, data, out, CFG, progress=False)
+    assert "sequences[" not in str(e.value) and "texts[" not in str(e.value), e.value

@@ -235,3 +235,23 @@ def test_a_format_that_cannot_hold_the_request_is_refused_naming_the_flag(teache
     with pytest.raises(ValueError, match=f"--format {fmt}.*{flag}"):
         _capture(teacher, chats[0], tmp_path / "x", fmt, **kw)
     assert not (tmp_path / "x").exists()
+
+
+def test_extra_fields_get_one_schema_for_the_whole_capture(teacher, tmp_path):
+    """Issue 43: --format hf exited 0 but wrote shards datasets.load_dataset could not read when an extra input field
+    varied between shards (absent, int vs float, null vs string). One schema is inferred from every row first: the
+    dataset loads whole; a field whose types conflict is refused naming it before anything is asked."""
+    rows = [{"ids": [5 + i, 6, 7, 8]} for i in range(10)]
+    rows[6]["score"], rows[8]["score"] = 1, 2.5                      # absent in shard 0, an int then a float
+    rows[2]["note"], rows[7]["note"] = None, "x"                     # null in shard 0, a string in shard 1
+    data = tmp_path / "varied.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "hf"
+    _capture(teacher, data, out, "hf")
+    got = _load(out).sort("sample_index")
+    assert got["score"] == [None] * 6 + [1.0, None, 2.5, None] and got["note"] == [None] * 7 + ["x", None, None]
+    rows[3]["score"] = "high"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(ValueError, match="input field 'score' has conflicting types"):
+        _capture(teacher, data, tmp_path / "conflict", "hf")
+    assert not (tmp_path / "conflict").exists()

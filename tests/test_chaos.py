@@ -20,7 +20,8 @@ from logitserve.client import TeacherClient
 from logitserve.demo import demo_config
 
 MiB = 2 ** 20
-TOKENS = ("polite", "stall", "hoard", "big", "storm", "httpbig", "nonreader", "idle", "forger")
+TOKENS = ("polite", "stall", "hoard", "big", "storm", "mates", "pool", "httpbig", "nonreader", "idle", "forger",
+          "messages")
 CHAOS = Path(__file__).with_name("chaos_clients.py")
 
 
@@ -123,12 +124,16 @@ def chaos(tmp_path, seconds: float, *layout: str, http: bool = False) -> None:
         assert rss.growth < 1024 * MiB + OVERHEAD, rss.growth / MiB
         assert seen.get("text", {}).get("RESOURCE_EXHAUSTED") and seen.get("k=V", {}).get("RESOURCE_EXHAUSTED")
         assert seen.get("hoard", {}).get("RESOURCE_EXHAUSTED")
+        assert seen.get("mates", {}).get("OK")
+        hung = seen.get("hung-replica", {})               # a pool beside a hung replica: answered, none late
+        assert hung.get("OK") and not hung.get("late") and set(hung) <= {"OK", "DEADLINE_EXCEEDED", "UNAVAILABLE"}, hung
         if http:        # whole-vocabulary answers may be refused 429 while the budget is held by others
             assert seen.get("http-big") and set(seen["http-big"]) <= {"200", "429", "cut"}
             assert seen.get("http-idle", {}).get("held")
             assert set(seen.get("http-forged", {})) <= {"403", "cut"} and seen["http-forged"].get("403")
-        assert all(code in ("OK", "RESOURCE_EXHAUSTED", "CANCELLED", "UNAVAILABLE", "held", "sent", "200", "403",
-                            "429", "cut") for counts in seen.values() for code in counts), seen
+            assert set(seen.get("http-messages", {})) <= {"413", "cut"} and seen["http-messages"].get("413")
+        assert all(code in ("OK", "RESOURCE_EXHAUSTED", "CANCELLED", "UNAVAILABLE", "DEADLINE_EXCEEDED", "held",
+                            "sent", "200", "403", "413", "429", "cut") for counts in seen.values() for code in counts), seen
     finally:
         assert server.stop() == 0
 

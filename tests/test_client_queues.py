@@ -82,7 +82,7 @@ def test_a_group_arriving_in_parts_is_not_taken_apart_for_interjection(loop):
     q.append(lone)
     assert q.take_small(1024) == [first, lone]          # no mate queued: each may run between another's steps
     q.append(first)
-    second = _member(loop, "c", prompt, mate=True)     # its group's next part arrives
+    second = _member(loop, "a", prompt, mate=True)     # its group's next part arrives (from the same client)
     q.append(second)
     plain = _ticket(loop, "d", 16)                       # too short to share: a polite small request
     q.append(plain)
@@ -95,6 +95,19 @@ def test_a_group_arriving_in_parts_is_not_taken_apart_for_interjection(loop):
     q.append(second)
     assert q.take_small(1024, held_after=second.admitted - 0.005) == []  # a part still in the window holds its
     assert len(q) == 2                                                    # queued mates back too
+
+
+def test_another_clients_queued_mates_never_hold_a_small_job(loop):
+    """Issue 43: client b's small job starting with the prompt of client a's queued group parts was taken only
+    together with them (over the cap: never between steps). Mates are a client's own."""
+    prompt = np.arange(200, dtype=np.int32)
+    q = ClientQueues()
+    parts = [_member(loop, "a", prompt), _member(loop, "a", prompt, mate=True)]     # 480 tokens together
+    other = _member(loop, "b", prompt, mate=True)                                    # 240 tokens
+    for t in (*parts, other):
+        q.append(t)
+    assert q.take_small(400) == [other]
+    assert q.take_small(400) == [] and len(q) == 2
 
 
 def test_a_clients_small_job_is_taken_past_its_group_parts_and_large_jobs(loop):

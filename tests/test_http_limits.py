@@ -328,3 +328,78 @@ def test_open_port_binds_the_http_port_before_loading():
             await listening.close()
 
     asyncio.run(check())
+
+
+def test_a_request_over_its_clients_queue_share_is_413_on_an_idle_server(served):
+    """Issue 43: 1025 x 512 ids are under --max-request-tokens (2^20) but over one client's share of the queue (half
+    of --max-queued-tokens: 2^19) even when nothing is queued: 429 "retry later" every time, before. Permanent: 413
+    naming the bound."""
+    base, _, _ = served
+    body = {"prompt": [[7] * 512] * 1025, "prompt_logprobs": 0, "max_tokens": 0}
+    for _ in range(2):                          # the same answer every time: nothing is queued
+        status, answer, _ = post(base, "/v1/completions", body)
+        assert status == 413, answer
+        message = answer["error"]["message"]
+        assert "--max-queued-tokens-per-client 524288" in message and "524800" in message, message
+        assert "permanent" in message
+
+
+@pytest.fixture(scope="module")
+def served_rm(tmp_path_factory):
+    """A CliServer on a scalar llama reward model with the demo tokenizer and a chat template."""
+    from logitserve.demo import demo_tokenizer
+
+    directory = build_model(tmp_path_factory.mktemp("limits_rm") / "rm", "llama", kind="reward", num_labels=1)
+    tok = demo_tokenizer(VOCAB)
+    tok.chat_template = "{% for m in messages %}t11 {{ m['role'] }} {{ m['content'] }} {{ eos_token }} {% endfor %}"
+    tok.save_pretrained(directory)
+    server = CliServer("--model", str(directory), "--http-port", "0", "--no-malloc-tuning")
+    yield server
+    server.stop()
+
+
+def test_chat_messages_are_counted_before_they_are_rendered(served_rm):
+    """Issue 43: 1.9 million empty messages were rendered by the chat template (11 s quiet, the tokenizing pool
+    full) before any size was checked. 100,000 are refused on their count, at the cost of parsing them: 413 naming
+    the field and --max-text-bytes."""
+    body = {"messages": [[{"role": "user", "content": ""}] * 100_000]}
+    err = refused_like_parsing(served_rm, "/get_reward", body, {**body, "add_special_tokens": "no"}, 413)
+    assert err["param"] is None and "messages" in err["message"] and "--max-text-bytes" in err["message"], err
+    assert "100000 messages" in err["message"], err
+    status, out, _ = post(served_rm.http, "/get_reward", {"messages": [[{"role": "user", "content": "t5"}]] * 5000})
+    assert status == 413 and "--max-sequences-per-request" in out["error"]["message"], out   # over 4096 conversations
+
+
+def test_bodies_of_millions_of_values_are_refused_before_parsing_and_grpc_keeps_its_latency(served):
+    """Issue 43: six concurrent 63 MB bodies, each refused 413 after orjson parsed (and freed) it on the event loop
+    gRPC shares, pushed a polite gRPC client's max latency to 2.8-4.3 s. A body holding more values than any request
+    within the limits can is refused on its commas before parsing: each 413 naming the bound, gRPC under 1 s."""
+    import concurrent.futures
+    import http.client
+
+    from logitserve.client import TeacherClient
+
+    base, server, _ = served
+    raw = b'{"prompt": [' + b"7," * 31_000_000 + b'7], "max_tokens": 0, "prompt_logprobs": 0}'     # 62 MB
+
+    def send() -> tuple[int, dict]:
+        conn = http.client.HTTPConnection(base.removeprefix("http://"), timeout=120)
+        conn.request("POST", "/v1/completions", raw, {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        out = json.loads(resp.read())
+        conn.close()
+        return resp.status, out
+
+    with TeacherClient(server.address) as c, concurrent.futures.ThreadPoolExecutor(6) as pool:
+        c.logprobs([[1, 2, 3]])
+        futures = [pool.submit(send) for _ in range(6)]
+        latencies = []
+        while not all(f.done() for f in futures):
+            t0 = time.perf_counter()
+            c.logprobs([[1, 2, 3, 4]])
+            latencies.append(time.perf_counter() - t0)
+            time.sleep(0.02)
+        answers = [f.result() for f in futures]
+    assert latencies and max(latencies) < 1.0, sorted(latencies)[-5:]
+    for status, out in answers:
+        assert status == 413 and "JSON values" in out["error"]["message"], out

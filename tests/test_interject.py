@@ -71,10 +71,13 @@ def test_a_small_job_runs_between_a_long_batchs_steps():
     assert done == ["big", "small"], done
 
 
-def _lone_vs_group(share_wait_s: float, interject_tokens: int, one_client: bool = False) -> tuple[list[str], list, int]:
+def _lone_vs_group(share_wait_s: float, interject_tokens: int, one_client: bool = False,
+                   tenants: bool = False) -> tuple[list[str], list, int]:
     """A 64-token job of 30 steps runs; two parts of a group (one prompt, sent apart) then a lone shareable job of
     another prompt arrive: the order they finish in, the fake's log (steps by length: 120 group, 110 lone), and
-    the log's length when the lone job was admitted. `one_client`: all from one host (one client, one queue)."""
+    the log's length when the lone job was admitted. `one_client`: all from one host (one client, one queue).
+    `tenants`: two clients (two bearer tokens): the parts are one tenant's, and the lone job, another tenant's,
+    starts with the same prompt (two RL trainers sharing a system prompt)."""
     from logitserve.server.grouping import shareables
 
     log: list = []
@@ -91,8 +94,15 @@ def _lone_vs_group(share_wait_s: float, interject_tokens: int, one_client: bool 
         ids = np.concatenate([head, rng.integers(3, 1000, n - len(head), dtype=np.int32)])
         return Job(sequences=(ids,), logprobs=LogprobsOpts(), prompt_lengths=(len(head),))
 
+    def client(name: str) -> str:
+        if tenants:
+            return "token:tenant-b" if name == "lone" else "token:tenant-a"
+        if one_client:
+            return "host"
+        return "trainer" if name.startswith("part") else name      # a group's parts come from one client
+
     async def one(name: str, j: Job) -> None:
-        async for _ in scheduler.stream(j, client="host" if one_client else name):
+        async for _ in scheduler.stream(j, client=client(name)):
             pass
         done.append(name)
 
@@ -103,7 +113,7 @@ def _lone_vs_group(share_wait_s: float, interject_tokens: int, one_client: bool 
         parts = [asyncio.create_task(one(f"part{i}", job(prompt, 120))) for i in range(2)]
         await asyncio.sleep(0.01)
         admitted.append(len(log))
-        await one("lone", job(other, 110))
+        await one("lone", job(prompt if tenants else other, 110))
         await asyncio.gather(big, *parts)
     try:
         asyncio.run(scenario())
@@ -130,6 +140,19 @@ def test_a_lone_shareable_job_waits_only_the_share_window_while_a_group_waits_fo
     assert done.index("part1") < done.index("big") and log.index((120, 0)) < log.index((64, 29)), (done, log)
     at = log.index((120, 0))
     assert log[at + 1] == (120, 0), log                                            # one nested batch, both parts
+
+
+@pytest.mark.unit
+def test_another_clients_group_parts_never_hold_a_small_job_back():
+    """Issue 43: mates were collected across clients, so tenant B's small job, starting with the prompt of tenant A's
+    queued group parts (together over --interject-tokens), was taken only with them: it waited out A's whole long
+    batch. Mates are a client's own: B's job runs between the long batch's steps once the share window has passed,
+    and A's parts still wait for a batch of their own (their prefix computed once)."""
+    done, log, admitted = _lone_vs_group(0.05, 200, tenants=True)
+    assert done.index("lone") < done.index("big") < done.index("part0"), done
+    lone_at = log.index((110, 0))
+    assert lone_at < log.index((64, 29)) and lone_at - admitted >= 3, (admitted, log)
+    assert log.count((120, 0)) == 2 and log.index((120, 0)) > log.index((64, 29)), log
 
 
 @pytest.mark.unit

@@ -212,12 +212,9 @@ def test_replicas_on_different_weights_are_refused_naming_both(pair, tmp_path):
         message = str(e.value)
         assert a.address in message and other.address in message
         assert len(set(e.value.hashes.values())) == 2 and all(h in message for h in e.value.hashes.values())
-        with TeacherPool([a.address, other.address], ready_timeout_s=10) as pool:   # no wait_ready: the first
-            pool.logprobs([[1, 2, 3]])                                              # admitted is the model
-            deadline = time.monotonic() + 10
-            while len({r.status for r in pool.replicas()}) < 2 and time.monotonic() < deadline:
-                time.sleep(0.05)
-            assert sorted(r.status for r in pool.replicas()) == ["REFUSED", "SERVING"]
+        with TeacherPool([a.address, other.address], ready_timeout_s=10) as pool:   # no wait_ready: checked before
+            with pytest.raises(ReplicasDisagree):                                   # the first request is routed
+                pool.logprobs([[1, 2, 3]])                                          # (test_hung_replica.py)
             with pytest.raises(ReplicasDisagree):
                 pool.check_agreement()
     finally:

@@ -190,6 +190,54 @@ def test_classify_and_embeddings_take_messages(rm):
     assert_close([out["data"][0]["embedding"][0]], [want])
 
 
+# A template that reads what vLLM hands over beside role and content: name, tool_call_id, tool_calls (arguments as an
+# object), in words the demo tokenizer knows.
+TOOL_TEMPLATE = ("{{ bos_token }} {% for m in messages %}{% if m['role'] == 'user' %}t12 {% elif m['role'] == 'tool' %}"
+                 "t14 {{ m['tool_call_id'] }} {% else %}t13 {% endif %}{% if m['name'] %}t15 {{ m['name'] }} {% endif %}"
+                 "{{ m['content'] }} {% for c in m['tool_calls'] or [] %}t16 {{ c['function']['name'] }} "
+                 "{{ c['function']['arguments']['x'] }} {% endfor %}{{ eos_token }} {% endfor %}")
+
+
+@pytest.fixture(scope="module")
+def tool_rm(tmp_path_factory):
+    """The scalar reward model of `rm` with TOOL_TEMPLATE: its URL, reference and tokenizer."""
+    from logitserve.demo import demo_tokenizer
+    from transformers import AutoTokenizer
+
+    directory = build_model(tmp_path_factory.mktemp("tool_rm") / "rm", "llama", kind="reward", num_labels=1, seed=3)
+    tok = demo_tokenizer(VOCAB)
+    tok.chat_template = TOOL_TEMPLATE
+    tok.save_pretrained(directory)
+    server, base = _served(directory)
+    yield base, Reference(directory), AutoTokenizer.from_pretrained(directory)
+    server.stop()
+
+
+@pytest.mark.live_server
+def test_chat_messages_reach_the_template_as_vllm_hands_them_over(tool_rm):
+    """Issue 43: text parts were joined with "" (vLLM: "\n"), name / tool_call_id / tool_calls dropped before the
+    template, and an assistant turn with content null refused. The reference is the tokenizer's own
+    apply_chat_template on the conversation as vLLM's chat_utils makes it (parts joined with "\n", null content
+    "", tool-call arguments parsed from JSON), scored by float64 transformers."""
+    base, ref, tok = tool_rm
+    call = {"id": "t30", "type": "function", "function": {"name": "t20", "arguments": json.dumps({"x": "t8"})}}
+    conv = [{"role": "user", "name": "t21", "content": [{"type": "text", "text": "t5"}, {"type": "text", "text": "t7"}]},
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "t30", "content": "t9"}]
+    as_vllm = [{"role": "user", "name": "t21", "content": "t5\nt7"},
+               {"role": "assistant", "content": "", "tool_calls": [{**call, "function": {"name": "t20",
+                                                                                          "arguments": {"x": "t8"}}}]},
+               {"role": "tool", "tool_call_id": "t30", "content": "t9"}]
+    ids = _chat_ids(tok, as_vllm)
+    assert tok.convert_ids_to_tokens(ids).count("t16") == 1 and 0 not in ids      # every word known, the call in
+    want = _reward(ref, ids)
+    for route, pick in (("/classify", lambda o: o["data"][0]["logits"]), ("/get_reward", lambda o: o["rewards"]),
+                        ("/v1/embeddings", lambda o: o["data"][0]["embedding"][-1:])):
+        status, out = post(base, route, {"messages": [conv]} if route == "/get_reward" else {"messages": conv})
+        assert status == 200, (route, out)
+        assert_close(pick(out), [want])
+
+
 @pytest.mark.live_server
 def test_vllm_score_pairs(rm):
     """vLLM's /score: one text_1 against several text_2 (and pairwise), sigmoid of the pair's score by default."""
@@ -242,7 +290,14 @@ BAD = [
     ("/get_reward", {"prompt": 5, "response": "t5"}, 400, "prompt"),
     ("/get_reward", {"prompt": "t5", "response": None, "label": 1}, 400, "response"),
     ("/get_reward", {"prompt": "t5", "response": 7}, 400, "response"),
-    ("/classify", {"messages": [{"role": "user"}]}, 400, "messages[0].content"),
+    ("/classify", {"messages": [{"role": "user", "content": {"text": "t5"}}]}, 400, "messages[0].content"),
+    # issue 43: fields not honoured were dropped silently (an untruncated score where truncation was asked)
+    ("/classify", {"input": [[1, 5, 6, 7, 8]], "truncate_prompt_tokens": 2}, 400, "truncate_prompt_tokens"),
+    ("/pooling", {"input": "t5", "truncate_prompt_tokens": 2}, 400, "truncate_prompt_tokens"),
+    ("/v1/embeddings", {"input": "t5", "truncate_prompt_tokens": 2}, 400, "truncate_prompt_tokens"),
+    ("/v1/embeddings", {"input": "t5", "dimensions": 8}, 400, "dimensions"),
+    ("/get_reward", {"query": ["t5"], "truncate_prompt_tokens": 2}, 400, "truncate_prompt_tokens"),
+    ("/classify", {"input": "t5", "priority": 3}, 400, "priority"),
     ("/classify", {"input": "t5", "activation": "no"}, 400, "activation"),
     ("/v1/embeddings", {"input": [[5, "x"]]}, 400, "input[0][1]"),
     ("/v1/embeddings", {"input": "t5", "encoding_format": "bytes"}, 400, "encoding_format"),
@@ -253,6 +308,8 @@ BAD = [
     ("/generative_scoring", {"query": "t5", "items": ["t6"], "label_token_ids": [5]}, 400, "model"),
 ]
 BAD_LM = [
+    ("/generative_scoring", {"query": "t5", "items": ["t6"], "label_token_ids": [5], "truncate_prompt_tokens": 2}, 400,
+     "truncate_prompt_tokens"),
     ("/generative_scoring", {"query": "t5", "items": ["t6"], "label_token_ids": [VOCAB]}, 400, "label_token_ids[0]"),
     ("/generative_scoring", {"query": "t5", "items": ["t6"], "label_token_ids": []}, 400, "label_token_ids"),
     ("/generative_scoring", {"query": "t5", "items": ["t6"], "label_token_ids": [-1]}, 400, "label_token_ids[0]"),
