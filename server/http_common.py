@@ -41,7 +41,12 @@ INERT: dict[str, tuple] = {
     # sampling knobs at their no-op values (nothing is sampled here: logprobs of given tokens, the greedy token)
     "top_p": (1,), "top_k": (-1, 0), "min_p": (0,), "repetition_penalty": (1,),
     "frequency_penalty": (0,), "presence_penalty": (0,),
-    "skip_special_tokens": (False,),          # SGLang's (slime sends false): a token's text here keeps them
+    # SGLang's (slime sends false); sglang-router sends true, vLLM's default: which special tokens its generated
+    # text keeps, where a prompt's logprobs have none
+    "skip_special_tokens": (False, True),
+    # sglang-router adds these to every /v1/completions it forwards, at their defaults: no stop string is taken
+    # here (so none is trimmed), generation ends at max_tokens or EOS as asked, no hidden states come back
+    "no_stop_trim": (False, True), "ignore_eos": (False,), "return_hidden_states": (False,),
 }
 
 
