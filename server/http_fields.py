@@ -36,7 +36,7 @@ ACCEPTED: dict[str, frozenset[str]] = {
     "/generate": _names(sglang_api.GENERATE, extra=("input_ids", "text", "sampling_params", "token_ids_logprob")),
     "/get_sequence_logprobs/": _names(trl_api.SEQUENCE_LOGPROBS, extra=("sequences", "prompt_lengths")),
     "/classify": _CLASSIFY_VLLM | _CLASSIFY_SGLANG,
-    "/pooling": _names(trl_api.CLASSIFY, extra=("input",)),
+    "/pooling": _CLASSIFY_VLLM,
     # OpenRLHF's remote RM sends prompts and labels beside query, slime's its sample's label: context and ground
     # truth for rule-based rewards, which no learned reward model reads (query / prompt + response hold the text)
     "/get_reward": _names(reward_api.REWARD, extra=("query", "messages", "prompt", "response", "label", "prompts",

@@ -161,6 +161,15 @@ def activated(scores: np.ndarray) -> np.ndarray:
     return e / e.sum(axis=1, keepdims=True)
 
 
+def _inputs(ctx: Ctx, body: dict, p: dict) -> tuple:
+    """(inputs, add special tokens, field, conversations) of vLLM's completion form (`input`: texts or ids, special
+    tokens by default) or its chat form (`messages`, one conversation or several, rendered with the model's chat
+    template, which places the special tokens: none added by default, as vLLM's chat requests)."""
+    if body.get("messages") is not None and body.get("input") is None:
+        return None, p.get("add_special_tokens", False), "messages", conversations(ctx, body["messages"], "messages")
+    return body.get("input"), p.get("add_special_tokens", True), "input", None
+
+
 async def classify(ctx: Ctx, body: dict, client: str) -> dict:
     """POST /classify: vLLM's shape for `input` or `messages` (each entry with older vLLM's `probs` and newer
     vLLM's `logits` and `probabilities`), SGLang's (an embedding-shaped answer) for `text` / `input_ids`."""
@@ -168,11 +177,7 @@ async def classify(ctx: Ctx, body: dict, client: str) -> dict:
         return await _sglang_classify(ctx, body, client)
     p = fields(body, CLASSIFY)
     ctx.check_model(p.get("model"))
-    inputs, special, where, convs = body.get("input"), p.get("add_special_tokens", True), "input", None
-    if body.get("messages") is not None and inputs is None:     # vLLM's chat form: the template places the tokens
-        where, special = "messages", False
-        convs = conversations(ctx, body["messages"], where)
-    seqs, raw = await _scores(ctx, client, inputs, special, where, convs)
+    seqs, raw = await _scores(ctx, client, *_inputs(ctx, body, p))
     probs = activated(raw)
     values = probs if use_activation(p) else raw.astype(np.float64)
     labels = getattr(ctx.loaded.model.config, "id2label", None) or {}
@@ -186,10 +191,10 @@ async def classify(ctx: Ctx, body: dict, client: str) -> dict:
 
 
 async def pooling(ctx: Ctx, body: dict, client: str) -> dict:
-    """POST /pooling: vLLM's shape; each input's (activated) scores as its data."""
+    """POST /pooling: vLLM's shape for `input` or `messages`; each input's (activated) scores as its data."""
     p = fields(body, CLASSIFY)
     ctx.check_model(p.get("model"))
-    seqs, raw = await _scores(ctx, client, body.get("input"), p.get("add_special_tokens", True), "input")
+    seqs, raw = await _scores(ctx, client, *_inputs(ctx, body, p))
     values = activated(raw) if use_activation(p) else raw.astype(np.float64)
     n = sum(len(x) for x in seqs)
     return {"id": new_id("pooling"), "object": "list", "created": int(time.time()), "model": ctx.model_id,

@@ -179,6 +179,9 @@ def test_demo_prm_serves_step_scores_at_a_separator_named_by_its_token(tmp_path)
     with pytest.raises(ValueError, match=r"--step-separator '3': .* is not a token-classification model"):
         with_step_separator(load_model(export_demo(tmp_path / "causal", "causal")), "3")
     assert with_step_separator(loaded, "t3").step_separator == (3,)
+    # the docs' separator (Qwen2.5-Math-PRM's) is the demo PRM's last id, split out of a text without spaces
+    assert with_step_separator(loaded, "<extra_0>").step_separator == (31999,)
+    assert loaded.text.tokenizer("t5<extra_0>t6")["input_ids"] == [1, 5, 31999, 6]
     server = serve_dir(directory, step_separator="t3")
     try:
         with TeacherClient(server.address) as c:

@@ -190,6 +190,74 @@ def test_classify_and_embeddings_take_messages(rm):
     assert_close([out["data"][0]["embedding"][0]], [want])
 
 
+# vLLM's own example bodies, verbatim: examples/pooling/pooling/pooling_online.py (its completion form and chat form, a
+# reward model served with `vllm serve ... --runner pooling`) and examples/pooling/classify's client (a list of texts).
+VLLM_POOLING_TEXT = "vLLM is great!"
+VLLM_CLASSIFY_PROMPTS = ["Hello, my name is", "The president of the United States is", "The capital of France is",
+                         "The future of AI is"]
+
+
+@pytest.fixture(scope="module")
+def demo_rm(tmp_path_factory):
+    """The embedded demo reward model (`logitserve serve --demo reward`'s directory, with its chat template) served
+    with HTTP: its URL, float64 reference and tokenizer."""
+    from logitserve.demo import export_demo
+    from transformers import AutoTokenizer
+
+    directory = export_demo(tmp_path_factory.mktemp("demo_rm") / "reward", "reward")
+    server, base = _served(directory)
+    yield base, Reference(directory), AutoTokenizer.from_pretrained(directory)
+    server.stop()
+
+
+@torch.no_grad()
+def _last_token_reward(ref: Reference, ids) -> float:
+    """The score head on the last position's hidden state, float64 (transformers' own pooling would skip trailing
+    pad ids, and the demo's unknown word is its pad id: vLLM and this server score the last token)."""
+    hidden = ref.model.model(torch.as_tensor([list(ids)])).last_hidden_state       # [1, L, H]
+    return ref.model.score(hidden)[0, -1, -1].item()
+
+
+@pytest.mark.live_server
+def test_vllm_pooling_and_classify_examples_verbatim_on_the_demo_reward_model(demo_rm):
+    """Issue 45: vLLM's /pooling chat example (content a list of text parts) was refused 400. Its bodies, and the
+    classify client's, as vLLM's examples send them (the model named as /v1/models lists it), against float64
+    transformers on the ids transformers' own tokenizer and chat template make."""
+    import urllib.request
+
+    base, ref, tok = demo_rm
+    with urllib.request.urlopen(base + "/v1/models", timeout=30) as r:
+        model = json.loads(r.read())["data"][0]["id"]
+    sigmoid = (lambda x: 1 / (1 + np.exp(-np.asarray(x))))
+    # Input like Completions API
+    status, out = post(base, "/pooling", {"model": model, "input": "vLLM is great!"})
+    assert status == 200, out
+    assert_close(out["data"][0]["data"], sigmoid([_last_token_reward(ref, _ids(tok, VLLM_POOLING_TEXT, True))]))
+    # Input like Chat API
+    chat = {"model": model, "messages": [{"role": "user", "content": [{"type": "text", "text": "vLLM is great!"}]}]}
+    ids = _chat_ids(tok, [{"role": "user", "content": VLLM_POOLING_TEXT}])
+    assert ids[:2] == [1, 12] and ids[-1] == 2          # the demo's template: BOS, the user's word t12, ..., EOS
+    want = _last_token_reward(ref, ids)
+    for route, pick in (("/pooling", lambda o: o["data"][0]["data"]), ("/classify", lambda o: o["data"][0]["probs"])):
+        status, out = post(base, route, chat)
+        assert status == 200, (route, out)
+        assert_close(pick(out), sigmoid([want]))
+        assert out["usage"]["prompt_tokens"] == len(ids)
+    # the content as a string, and several conversations at once, raw scores
+    status, out = post(base, "/pooling", {"messages": [[{"role": "user", "content": VLLM_POOLING_TEXT}],
+                                                       [{"role": "system", "content": "t5"},
+                                                        {"role": "user", "content": "t6 t7"}]],
+                                          "use_activation": False})
+    assert status == 200, out
+    assert_close([d["data"][0] for d in out["data"]],
+                 [want, _last_token_reward(ref, _chat_ids(tok, [{"role": "system", "content": "t5"},
+                                                                 {"role": "user", "content": "t6 t7"}]))])
+    status, out = post(base, "/classify", {"model": model, "input": VLLM_CLASSIFY_PROMPTS})
+    assert status == 200, out
+    assert_close([d["probs"][0] for d in out["data"]],
+                 sigmoid([_last_token_reward(ref, _ids(tok, t, True)) for t in VLLM_CLASSIFY_PROMPTS]))
+
+
 # A template that reads what vLLM hands over beside role and content: name, tool_call_id, tool_calls (arguments as an
 # object), in words the demo tokenizer knows.
 TOOL_TEMPLATE = ("{{ bos_token }} {% for m in messages %}{% if m['role'] == 'user' %}t12 {% elif m['role'] == 'tool' %}"
