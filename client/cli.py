@@ -6,6 +6,7 @@ import os
 import re
 import sys
 from pathlib import Path
+from typing import Optional
 
 DEFAULT_PORT = 50051
 # Each connection option also comes from the environment, so a shell or a pod spec sets it once.
@@ -39,7 +40,8 @@ def add_connection_args(p: argparse.ArgumentParser, wait: bool = True) -> None:
                    help=f"PEM private key of --tls-cert (${ENV['tls_key']})")
     if wait:
         g.add_argument("--wait", type=float, default=600.0, metavar="S",
-                       help="wait up to S seconds for a server that is still starting (0: fail at once)")
+                       help="wait up to S seconds for a server that answers but is still loading its model (0: "
+                            "fail at once); where nothing listens, the command fails at once")
 
 
 def connection_options(args) -> dict:
@@ -63,24 +65,93 @@ def connection_options(args) -> dict:
     return opts
 
 
-def connect(args):
-    """A TeacherClient to args.address, once the server is ready (saying so on stderr when it waits)."""
-    from . import LogitServeError, TeacherClient
+def _host_port(address: str) -> Optional[tuple[str, int]]:
+    """(host, port) of a `host:port` or `[v6]:port` address; None for gRPC target forms (dns:///, ipv4:, unix:)."""
+    m = re.fullmatch(r"\[([^\]]+)\]:(\d+)|([^:\[\]/]+):(\d+)", address)
+    if not m:
+        return None
+    return (m.group(1), int(m.group(2))) if m.group(1) else (m.group(3), int(m.group(4)))
 
-    client = TeacherClient(with_port(args.address), **connection_options(args))
+
+def check_listening(address: str, timeout_s: float = 5.0) -> None:
+    """ValueError at once when nothing listens at a host:port address (a refused connection is no server starting:
+    the server opens its port before it loads anything)."""
+    import socket
+
+    hp = _host_port(address)
+    if hp is None:
+        return
+    host, port = hp
     try:
-        client.wait_ready(0.5)
-    except LogitServeError as e:
-        if e.code.name not in ("UNAVAILABLE", "DEADLINE_EXCEEDED") or args.wait <= 0.5:
-            client.close()
-            raise
-        print(f"logitserve: {args.address} is not ready yet ({e.details}); waiting up to {args.wait:g} s "
-              f"(--wait)", file=sys.stderr, flush=True)
+        socket.create_connection((host, port), timeout=timeout_s).close()
+    except ConnectionRefusedError:
+        raise ValueError(f"nothing listens on {host}:{port}; start the server (logitserve serve --port {port}) or "
+                         f"give the address of one") from None
+    except socket.gaierror:
+        raise ValueError(f"{host}: not an address or a host name that resolves here") from None
+    except TimeoutError:
+        raise ValueError(f"{host}:{port} accepted no connection within {timeout_s:g} s (a firewall, or no such "
+                         f"host on the network?)") from None
+    except OSError as e:
+        raise ValueError(f"cannot reach {host}:{port} ({(e.strerror or str(e)).lower()})") from None
+
+
+def health_status(address: str, opts: dict, timeout_s: float) -> str:
+    """The server's grpc.health.v1 status (SERVING, NOT_SERVING while loading or draining, ...); ValueError saying
+    why when the address answers no gRPC health check (an HTTP port, TLS expected, another program)."""
+    import grpc
+
+    if opts.get("tls"):
+        from .aio import _pem
+
+        creds = grpc.ssl_channel_credentials(_pem(opts["root_certificates"]), _pem(opts["private_key"]),
+                                             _pem(opts["certificate_chain"]))
+        channel = grpc.secure_channel(address, creds)
+    else:
+        channel = grpc.insecure_channel(address)
+    with channel:
+        check = channel.unary_unary("/grpc.health.v1.Health/Check", request_serializer=None,
+                                    response_deserializer=None)
         try:
-            client.wait_ready(args.wait)
-        except BaseException:
-            client.close()
-            raise
+            return HEALTH_STATUS.get(_varint_field_1(check(b"", timeout=timeout_s)), "UNKNOWN")
+        except grpc.RpcError as e:
+            if e.code() == grpc.StatusCode.UNIMPLEMENTED:
+                raise ValueError(f"{address} answers gRPC but has no health service: not a logitserve server?") from None
+            tls = "" if opts.get("tls") else ", or a TLS server (give --tls-ca)"
+            raise ValueError(f"{address} does not answer gRPC ({e.code().name}: {' '.join((e.details() or '').split())[:200]}"
+                             f"); is it the server's --port (50051 by default), not its --http-port{tls}?") from None
+
+
+def connect(args):
+    """A TeacherClient to args.address once its server is ready: at once an error where nothing listens or the
+    address speaks no gRPC; a wait (said on stderr, at most --wait seconds) only while the server answers that it
+    is loading."""
+    import time
+
+    from . import TeacherClient
+
+    address, opts = with_port(args.address), connection_options(args)
+    check_listening(address)
+    status = health_status(address, opts, 10.0)
+    if status != "SERVING":
+        if args.wait <= 0:
+            raise ValueError(f"{args.address} is not serving yet (health {status}: loading its model, or "
+                             f"stopping); --wait S waits for it")
+        print(f"logitserve: {args.address} is not serving yet (health {status}: loading its model); waiting up to "
+              f"{args.wait:g} s (--wait)", file=sys.stderr, flush=True)
+        deadline = time.monotonic() + args.wait
+        while status != "SERVING":
+            if time.monotonic() > deadline:
+                raise ValueError(f"{args.address} was not serving within {args.wait:g} s (--wait); health {status}")
+            time.sleep(0.5)
+            check_listening(address)          # a server that died while loading: said at once
+            status = health_status(address, opts, 10.0)
+    client = TeacherClient(address, **opts)
+    try:
+        client.wait_ready(30.0)
+    except BaseException:
+        client.close()
+        raise
     return client
 
 
@@ -252,6 +323,9 @@ def cmd_capture(args) -> int:
         print(f"logitserve capture needs the capture extra ({', '.join(missing)} missing here): "
               f"pip install 'logitserve[capture]'", file=sys.stderr)
         return 2
+    if not Path(args.input).is_file():
+        raise ValueError(f"--input {args.input}: no such file; give a jsonl file, one {{\"ids\": [...]}} or "
+                         f"{{\"text\": \"...\"}} per line")
     cfg = CaptureConfig(topk=args.topk, logprobs=args.logprobs, dtype=args.dtype, temperature=args.temperature,
                         shard_samples=args.shard_samples, batch_samples=args.batch_samples, in_flight=args.in_flight,
                         format=args.format)

@@ -1,7 +1,9 @@
-"""grpc.health.v1 Watch on a channel, encoded by hand: the client needs no grpcio-health-checking."""
+"""grpc.health.v1 Watch on a channel, encoded by hand (the client needs no grpcio-health-checking); a wait for a
+server to be ready that says what it waits for."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from typing import Callable, Optional
 
@@ -16,6 +18,28 @@ _WATCH = "/grpc.health.v1.Health/Watch"
 SERVING, NOT_SERVING = 1, 2
 STATUS_NAMES = {0: "UNKNOWN", SERVING: "SERVING", NOT_SERVING: "NOT_SERVING", 3: "SERVICE_UNKNOWN"}
 UNREACHABLE = "UNREACHABLE"     # no Watch stream: the replica is down, restarting, or not yet listening
+# A wait for readiness longer than this is said (a logging warning), then again every SAY_AGAIN_S.
+SAY_AFTER_S, SAY_AGAIN_S = 1.0, 60.0
+
+log = logging.getLogger("logitserve.client")
+
+
+async def said_wait(wait, address: str, timeout_s: float):
+    """The result of `wait` (a client's `wait_ready(timeout_s)` coroutine); when it takes longer than SAY_AFTER_S, a
+    warning names the address and the bound, and another every SAY_AGAIN_S, so a wait is never silent."""
+    task = asyncio.ensure_future(wait)
+    t0 = time.monotonic()
+    pause = SAY_AFTER_S
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=pause)
+            if done:
+                return task.result()
+            log.warning("waiting for %s to answer (%.0f s of at most %g s so far): a server still starting or loading, "
+                        "or nothing listening there", address, time.monotonic() - t0, timeout_s)
+            pause = SAY_AGAIN_S
+    finally:
+        task.cancel()
 
 
 def _varint(n: int) -> bytes:

@@ -11,6 +11,7 @@ import grpc
 
 from .agreement import Agreement, check_agreement
 from .aio import Resendable, resending
+from .health import said_wait
 from .api import ModelInfo, OutputsMixin
 from .errors import ClientDeadline, LogitServeError
 from .replica import Replica, ReplicaState, dns_target, resolve
@@ -136,7 +137,8 @@ class AsyncTeacherPool(OutputsMixin):
         if self._dns:
             await self._wait(lambda: bool(self._replicas), timeout_s, "no address resolved")
         deadline = time.monotonic() + timeout_s
-        infos = await asyncio.gather(*(r.client.wait_ready(timeout_s) for r in self._replicas.values()))
+        infos = await asyncio.gather(*(said_wait(r.client.wait_ready(timeout_s), r.address, timeout_s)
+                                       for r in self._replicas.values()))
         await self.check_agreement()
         # every replica, as its Watch stream reports SERVING and its ModelInfo is admitted
         await self._wait(lambda: all(r.routable for r in self._replicas.values()),

@@ -51,6 +51,7 @@ class TeacherClient(OutputsMixin):
         starting (see `wait_ready()`) before returning."""
         self._loop = client_loop()
         self._closed = False
+        self._address = address
 
         async def make() -> AsyncTeacherClient:
             return self._async_class(address, **options)
@@ -63,8 +64,11 @@ class TeacherClient(OutputsMixin):
                 raise
 
     def wait_ready(self, timeout_s: float = 600.0) -> ModelInfo:
-        """Block until the server answers (its port open and its model loaded); its ModelInfo."""
-        return self._run(self._aio.wait_ready(timeout_s))
+        """Block until the server answers (its port open and its model loaded); its ModelInfo. A wait longer than a
+        second is said as a logging warning (client.health.said_wait)."""
+        from .health import said_wait
+
+        return self._run(said_wait(self._aio.wait_ready(timeout_s), str(self._address), timeout_s))
 
     def _run(self, coro):
         return result_off_loop(asyncio.run_coroutine_threadsafe(coro, self._loop))

@@ -35,7 +35,8 @@ def _flag(action: argparse.Action) -> str:
 
 
 def _default(action: argparse.Action) -> str:
-    if not action.option_strings or action.nargs == 0 or action.default in (None, argparse.SUPPRESS):
+    if (not action.option_strings or action.nargs == 0 or action.default in (None, argparse.SUPPRESS)
+            or "default" in (action.help or "")):        # the help says it (in its unit): once
         return ""
     return f"`{action.default}`"
 
@@ -51,11 +52,15 @@ def cli_page() -> str:
            "\n| command | what |\n|---|---|\n"]
     out += [f"| [`{name}`](#logitserve-{name}) | {_cell(helps.get(name, ''))} |\n" for name in sub.choices]
     for name, p in sub.choices.items():
-        out.append(f"\n## logitserve {name}\n\n{_cell(helps.get(name, ''))}.\n\n| flag | default | what |\n|---|---|---|\n")
-        for a in p._actions:
-            if isinstance(a, argparse._HelpAction):
-                continue
-            out.append(f"| {_flag(a)} | {_default(a)} | {_cell(a.help or '')} |\n")
+        out.append(f"\n## logitserve {name}\n\n{_cell(helps.get(name, ''))}.\n")
+        groups = [g for g in p._action_groups if any(not isinstance(a, argparse._HelpAction) for a in g._group_actions)]
+        for g in groups:       # serve's flags by task (its argument groups); the others' in one table
+            if len(groups) > 1:
+                out.append(f"\n### {g.title[0].upper()}{g.title[1:]}\n")
+            out.append("\n| flag | default | what |\n|---|---|---|\n")
+            for a in g._group_actions:
+                if not isinstance(a, argparse._HelpAction):
+                    out.append(f"| {_flag(a)} | {_default(a)} | {_cell(a.help or '')} |\n")
     return "".join(out)
 
 
