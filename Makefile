@@ -1,26 +1,39 @@
-# Two commands do all the set-up on a fresh machine: `make serve` and `make test`.
+# Two commands do all the set-up on a fresh machine: `make serve` and `make test` (`make help` lists every target).
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
+SERVE_STAMP := $(VENV)/.installed-serve
 STAMP := $(VENV)/.installed
+# Axolotl's KD dataset loader, read back by tests/test_capture_formats.py: installed without its dependencies (they
+# pin another transformers; those its loader imports are in the test extra) into a folder of its own, outside
+# site-packages, so pip does not count it and `pip check` stays clean (the test puts the folder on sys.path).
+AXOLOTL := $(VENV)/axolotl-no-deps
 # CPU torch first: with no torch present an unpinned install would pull a multi-GB CUDA build.
 TORCH ?= torch==2.13.0
 
-.PHONY: install serve test docs load-test bench bench-batching bench-groups bench-http gpu-wheels gpu-check-dry
-$(STAMP): pyproject.toml setup.py proto/logitserve/v1/logitserve.proto
+.PHONY: help install serve test docs load-test bench bench-batching bench-groups bench-http gpu-wheels gpu-check-dry
+help:  ## this list: every target and what it does
+	@grep -E '^[a-z][a-z-]*:.*## ' $(MAKEFILE_LIST) | sed -E 's/^([a-z-]+):[^#]*## */\1\t/' | \
+		awk -F '\t' '{ printf "  make %-16s %s\n", $$1, $$2 }'
+
+# What serving needs: torch, then logitserve with its server extra (`make serve`).
+$(SERVE_STAMP): pyproject.toml setup.py proto/logitserve/v1/logitserve.proto
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet $(TORCH)
+	$(BIN)/pip install --quiet -e ".[server]"
+	touch $(SERVE_STAMP)
+
+# What the tests need besides: the test extra and Axolotl's loader (`make test`, `make install`).
+$(STAMP): $(SERVE_STAMP)
 	$(BIN)/pip install --quiet -e ".[test]"
-	# Axolotl's KD dataset loader, read back by tests/test_capture_formats.py: without its deps, which pin another
-	# transformers (those its loader imports are in the test extra)
-	$(BIN)/pip install --quiet --no-deps "axolotl==0.19.0"
+	$(BIN)/pip install --quiet --no-deps --upgrade --target $(AXOLOTL) "axolotl==0.19.0"
 	touch $(STAMP)
 
-install: $(STAMP)
+install: $(STAMP)  ## the virtual environment the tests need (.venv), without running anything
 
 HTTP_PORT ?= 8000
-serve: $(STAMP)  ## the demo model: gRPC on 50051, HTTP on $(HTTP_PORT) (HTTP_PORT= for none); ARGS="--demo reward" etc.
+serve: $(SERVE_STAMP)  ## installs what serving needs, serves the demo: gRPC on 50051, HTTP on 8000 (HTTP_PORT= none); ARGS="--demo reward" etc.
 	$(BIN)/logitserve serve $(if $(HTTP_PORT),--http-port $(HTTP_PORT)) $(ARGS)
 
 test: $(STAMP)   ## the whole suite

@@ -4,8 +4,9 @@ after lost shards rebuilds them byte for byte; a format that cannot hold the req
 
 DistillKit is not on PyPI, so its reader here is a port of distillkit/compression (bitpack.unpack_from_bytes and
 monotonic_logprobs.decompress_monotonic_logprobs at arcee-ai/DistillKit a61c2e7d), kept to the lossless
-config the capture writes. Axolotl installs without its dependencies (`make install`); its test is skipped, with
-the reason, only where `axolotl` cannot be imported, and the schema reader below still checks the rows.
+config the capture writes. Axolotl installs without its dependencies into a folder of the venv outside site-packages
+(`make install`: $(VENV)/axolotl-no-deps, so `pip check` stays clean), put on sys.path here; its test is skipped,
+with the reason, only where `axolotl` cannot be imported, and the schema reader below still checks the rows.
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import json
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -27,6 +29,9 @@ pytestmark = pytest.mark.live_server
 
 K = 8
 TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}"     # word-level demo tokenizer: no specials
+AXOLOTL_DIR = Path(sys.prefix) / "axolotl-no-deps"      # the Makefile's $(AXOLOTL)
+if AXOLOTL_DIR.is_dir() and str(AXOLOTL_DIR) not in sys.path:
+    sys.path.append(str(AXOLOTL_DIR))
 HAVE_AXOLOTL = importlib.util.find_spec("axolotl") is not None
 
 

@@ -250,3 +250,21 @@ def test_serve_help_is_grouped_by_task_one_screen_each_with_one_default_and_a_un
         assert a.nargs == 0 or a.choices or a.metavar in units, (a.option_strings[0], a.metavar)
     for line in re.split(r"\n(?=  --)", text):
         assert line.count("default") <= 1, line
+
+
+@pytest.mark.unit
+def test_clients_waiting_for_a_server_say_what_they_wait_for(caplog):
+    """TeacherPool(..., wait_ready=600) against addresses where nothing listens hung silently for up to 600 s."""
+    import logging
+
+    from logitserve.client import LogitServeError, TeacherClient, TeacherPool
+
+    a, b = f"127.0.0.1:{_free_port()}", f"127.0.0.1:{_free_port()}"
+    with caplog.at_level(logging.WARNING, logger="logitserve.client"):
+        with pytest.raises(LogitServeError, match="not ready within 2 s"):
+            TeacherClient(a, wait_ready=2)
+        with pytest.raises(LogitServeError, match="not ready within 2 s"):
+            TeacherPool([a, b], wait_ready=2)
+    said = [r.getMessage() for r in caplog.records if r.name == "logitserve.client"]
+    for address in (a, b):
+        assert any(m.startswith(f"waiting for {address} to answer") and "at most 2 s" in m for m in said), said

@@ -1,6 +1,6 @@
 """logitserve beside a student's ecosystem: with tritonclient[grpc] 2.73 (protobuf < 7) in one fresh environment,
-client and server import, serve and answer (about a minute: a copy of the
-session's torch venv, tests/helpers/venvs.py);
+client and server import, serve and answer, and docs/clients.md's tritonclient block runs as written (about a
+minute: a copy of the session's torch venv, tests/helpers/venvs.py);
 beside vLLM 0.33, ray 2.60 and tritonclient, pip resolves logitserve[server] without moving their versions."""
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from helpers import CliServer, copy_venv, pip_install, python_of
+from helpers.docs import STARTS, Servers, blocks, run_page
 
 pytestmark = pytest.mark.fresh_venv
 
@@ -82,6 +83,16 @@ def test_client_and_server_work_beside_tritonclient(torch_venv, tmp_path):
         assert "tritonclient ok" in triton.stdout
     finally:
         assert server.stop() == 0
+    # docs/clients.md's tritonclient block as written, against the page's own server command, in this environment
+    page = ROOT / "docs" / "clients.md"
+    first = next(b for b in blocks(page) if b.note.startswith(STARTS))
+    servers = Servers()
+    try:
+        done = run_page(page, servers, tmp_path / "page", python=python,
+                        select=lambda b: b == first or "tritonclient" in b.note)
+    finally:
+        servers.stop()
+    assert done.ran == 1 and done.started == 1
 
 
 # A student's environment: vLLM (which pins torch exactly), ray and tritonclient, at the versions a trainer

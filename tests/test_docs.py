@@ -1,41 +1,22 @@
 """The README and every docs/ page: the site builds with `mkdocs build --strict`, the reference pages equal what
-docs/gen_reference.py makes now, and every runnable block runs as written against `logitserve serve`.
-
-A block runs when the line before it says `<!-- runs in tests/test_docs.py ... -->`: against a server on
-127.0.0.1:50051 with HTTP on 8000, or the note names a token server (50061, HTTP 8001, token `secret-token-1`) or
-a reward server (50071, HTTP 8002). `<!-- starts a server in tests/test_docs.py -->` blocks run until the server
-says it is serving, then get SIGTERM. Every complete Python example, and every bash block that starts a server or
-calls one, either runs or says `not run:` and why."""
+docs/gen_reference.py makes now, and every runnable block of every page runs as written, against the servers the
+page itself starts (tests/helpers/docs.py: the notes that say what runs, the runner)."""
 from __future__ import annotations
 
 import importlib.util
-import os
 import re
-import signal
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
-from helpers import CliServer
+from helpers.docs import NOT_RUN, RUNS, SERVE_LINE, STARTS, Servers, blocks, env_for, pages, run_page
 
 pytestmark = pytest.mark.live_server
 
 ROOT = Path(__file__).parent.parent
-PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
-BLOCK = re.compile(r"(?:<!-- (?P<note>[^>]*) -->\n[ \t]*)?```(?P<lang>\w*)\n(?P<body>.*?)```", re.S)
-RUNS, STARTS = "runs in tests/test_docs.py", "starts a server in tests/test_docs.py"
-TOKEN = "secret-token-1"
-ENV = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
-
-
-def blocks():
-    for page in PAGES:
-        for m in BLOCK.finditer(page.read_text()):
-            yield page.relative_to(ROOT), m.group("note") or "", m.group("lang"), m.group("body")
+ENV = env_for(sys.executable)
 
 
 def test_reference_pages_are_what_the_cli_and_the_proto_say_now():
@@ -57,89 +38,44 @@ def test_the_site_builds_strict_with_every_page_in_the_nav(tmp_path):
 
 
 def test_every_example_is_run_or_says_why_not():
-    for page, note, lang, body in blocks():
-        complete = lang == "python" and re.match(r"(import|from) ", body)
-        serving = lang == "bash" and re.search(r"^\s*(curl|logitserve (info|query|health|capture))", body, re.M)
-        if complete or serving:
-            assert note.startswith((RUNS, STARTS, "not run:")), f"{page}: {body.splitlines()[0]}"
-    assert sum(note.startswith(RUNS) for *_, note, _, _ in ((p, n, lang, b) for p, n, lang, b in blocks())) >= 10
+    """Every Python block, and every shell block that serves, calls a server or runs Python, carries a note: runs,
+    starts, or `not run:` with its reason; a Python block that runs is complete (its imports in it)."""
+    calls = re.compile(r"^\s*(curl|python|torchrun|logitserve|\.venv/bin/)|" + SERVE_LINE.pattern, re.M)
+    for page in pages():
+        for b in blocks(page):
+            if b.lang == "python" or (b.lang in ("bash", "") and calls.search(b.body)):
+                assert b.note.startswith((RUNS, STARTS, NOT_RUN)), f"{b.where}: say whether it runs: {b.body[:80]}"
+            if b.note.startswith(NOT_RUN):
+                assert len(b.note) > len(NOT_RUN) + 10, f"{b.where}: say why it is not run"
+            if b.note.startswith(RUNS) and b.lang == "python":
+                assert re.match(r"(import|from) ", b.body), f"{b.where}: a fragment; make it a complete example"
 
 
-def test_make_serve_opens_the_http_port():
+def test_make_serve_runs_the_command_the_readme_starts():
+    """The README starts `logitserve serve --http-port 8000` as what `make serve` runs; make says so too."""
     run = subprocess.run(["make", "-n", "serve"], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert run.returncode == 0 and re.search(r"logitserve serve --http-port 8000\s*$", run.stdout, re.M), run.stdout
+    first = next(b for b in blocks(ROOT / "README.md") if b.note.startswith(STARTS))
+    assert first.body.split("#")[0].strip() == "logitserve serve --http-port 8000", first.body
 
 
-def _free(port: int) -> None:
-    with socket.socket() as s:
-        if s.connect_ex(("127.0.0.1", port)) == 0:
-            raise RuntimeError(f"port {port} is taken: the docs' examples dial it; stop that server first")
+def _triton_missing(b) -> bool:
+    """The tritonclient block where tritonclient is not installed (tests/test_coexistence.py runs it where it is)."""
+    return "tritonclient" in b.note and importlib.util.find_spec("tritonclient") is None
 
 
-@pytest.fixture(scope="module")
-def workdir(tmp_path_factory):
-    return tmp_path_factory.mktemp("docs-blocks")
-
-
-def test_server_blocks_start_as_written(workdir):
-    """`logitserve serve ...` blocks (README, serving.md) run in a fresh directory until the server serves."""
-    seen = set()
-    for page, note, lang, body in blocks():
-        if not note.startswith(STARTS) or body in seen:
-            continue
-        seen.add(body)
-        _free(50051), _free(8000)
-        proc = subprocess.Popen(["bash", "-e", "-c", body], cwd=workdir, env=ENV, stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
-        log, deadline = [], time.monotonic() + 240
-        try:
-            while time.monotonic() < deadline:
-                line = proc.stdout.readline()
-                if not line:
-                    break
-                log.append(line)
-                if re.search(r"logitserve: serving \S+ on [\d.]+:50051 \(HTTP on port 8000\)", line):
-                    break
-            assert log and "serving" in log[-1], f"{page}: the server did not start:\n{body}\n{''.join(log)[-3000:]}"
-        finally:
-            os.killpg(proc.pid, signal.SIGTERM)
-            proc.wait(60)
-    assert seen
-
-
-@pytest.fixture(scope="module")
-def servers(workdir):
-    _free(50051), _free(8000)
-    made: dict[str, CliServer] = {"main": CliServer("--port", "50051", "--http-port", "8000")}
-    tokens = workdir / "tokens.txt"
-    tokens.write_text(TOKEN + "\n")
-    starts = {"auth-token-file": ("--port", "50061", "--http-port", "8001", "--auth-token-file", str(tokens)),
-              "reward server": ("--demo", "reward", "--port", "50071", "--http-port", "8002")}
-
-    def server(note: str) -> CliServer:
-        for key, args in starts.items():
-            if key in note and key not in made:
-                made[key] = CliServer(*args)
-        return made["main"]
-
-    yield server
-    for s in made.values():
-        assert s.stop() == 0
-
-
-def test_doc_blocks_run_as_written(servers, workdir):
-    ran = 0
-    for page, note, lang, body in blocks():
-        if not note.startswith(RUNS):
-            continue
-        if "tritonclient" in note and importlib.util.find_spec("tritonclient") is None:
-            continue      # the same calls run in tests/test_coexistence.py, which installs tritonclient
-        servers(note)
-        script = "set -o pipefail\n" + body if lang == "bash" else body
-        cmd = ["bash", "-e", "-c", script] if lang == "bash" else [sys.executable, "-c", body]
-        run = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=ENV, cwd=workdir)
-        assert run.returncode == 0, f"{page}: block failed:\n{body}\n{run.stdout[-1500:]}\n{run.stderr[-2000:]}"
-        if lang == "bash" and "curl" in body:       # curl exits 0 on an HTTP error: the answers must not be errors
-            assert '"error"' not in run.stdout and "Internal Server Error" not in run.stdout, f"{page}:\n{run.stdout}"
-        ran += 1
-    assert ran >= 10
+def test_every_page_runs_as_written(tmp_path):
+    """Each page in order, in a fresh directory of its own: its servers from its own text, then its blocks. Prints
+    pages x blocks (run, servers started, servers used again, not run)."""
+    servers, report = Servers(), []
+    try:
+        for page in pages():
+            report.append(run_page(page, servers, tmp_path / page.stem, skip=_triton_missing))
+    finally:
+        servers.stop()
+    print("\npage                        run  started  reused  not run")
+    for r in report:
+        print(f"{str(r.page.relative_to(ROOT)):<28}{r.ran:>4}{r.started:>9}{r.reused:>8}{r.not_run:>9}")
+    print(f"{'all':<28}{sum(r.ran for r in report):>4}{sum(r.started for r in report):>9}"
+          f"{sum(r.reused for r in report):>8}{sum(r.not_run for r in report):>9}")
+    assert sum(r.ran for r in report) >= 24
