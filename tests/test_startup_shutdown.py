@@ -108,6 +108,8 @@ def test_clients_wait_through_start_up(model_dirs):
     time.sleep(0.3)
     proc = _start(port, "--model", str(model_dirs["llama"]))
     try:
+        # The CLI waits for a server that answers it is loading (a refused port is said at once: test_cli_errors.py)
+        assert proc.stdout.readline().startswith("logitserve: loading on"), "the port opens before the model loads"
         info = subprocess.run([sys.executable, "-m", "logitserve.server.cli", "info", address], capture_output=True,
                               text=True, timeout=120)
         t.join(120)
