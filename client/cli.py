@@ -96,20 +96,25 @@ def check_listening(address: str, timeout_s: float = 5.0) -> None:
         raise ValueError(f"cannot reach {host}:{port} ({(e.strerror or str(e)).lower()})") from None
 
 
+def _channel(address: str, opts: dict):
+    """A blocking channel to `address` with the connection options' TLS (plaintext without)."""
+    import grpc
+
+    if not opts.get("tls"):
+        return grpc.insecure_channel(address)
+    from .aio import _pem
+
+    creds = grpc.ssl_channel_credentials(_pem(opts["root_certificates"]), _pem(opts["private_key"]),
+                                         _pem(opts["certificate_chain"]))
+    return grpc.secure_channel(address, creds)
+
+
 def health_status(address: str, opts: dict, timeout_s: float) -> str:
     """The server's grpc.health.v1 status (SERVING, NOT_SERVING while loading or draining, ...); ValueError saying
     why when the address answers no gRPC health check (an HTTP port, TLS expected, another program)."""
     import grpc
 
-    if opts.get("tls"):
-        from .aio import _pem
-
-        creds = grpc.ssl_channel_credentials(_pem(opts["root_certificates"]), _pem(opts["private_key"]),
-                                             _pem(opts["certificate_chain"]))
-        channel = grpc.secure_channel(address, creds)
-    else:
-        channel = grpc.insecure_channel(address)
-    with channel:
+    with _channel(address, opts) as channel:
         check = channel.unary_unary("/grpc.health.v1.Health/Check", request_serializer=None,
                                     response_deserializer=None)
         try:
@@ -288,17 +293,7 @@ def cmd_health(args) -> int:
     """grpc.health.v1 Check with an empty request; the response decoded by hand (no grpcio-health-checking)."""
     import grpc
 
-    address = with_port(args.address)
-    opts = connection_options(args)
-    if opts.get("tls"):
-        from .aio import _pem
-
-        creds = grpc.ssl_channel_credentials(_pem(opts["root_certificates"]), _pem(opts["private_key"]),
-                                             _pem(opts["certificate_chain"]))
-        channel = grpc.secure_channel(address, creds)
-    else:
-        channel = grpc.insecure_channel(address)
-    with channel:
+    with _channel(with_port(args.address), connection_options(args)) as channel:
         check = channel.unary_unary("/grpc.health.v1.Health/Check", request_serializer=None,
                                     response_deserializer=None)
         try:
