@@ -59,6 +59,25 @@ def test_export_demo_is_deterministic(tmp_path):
 
 
 @pytest.mark.live_server
+def test_export_demo_writes_files_the_umask_allows_and_git_ignores_the_readmes_directory(tmp_path):
+    """Issue 45: `export-demo ./my-model` (the README's, run in the checkout) wrote model.safetensors mode 0600, and
+    git did not ignore it."""
+    import os
+    import stat
+    from pathlib import Path
+
+    run = subprocess.run(f"umask 022 && {sys.executable} -m logitserve.server.cli export-demo {tmp_path / 'm'}",
+                         shell=True, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0 and "Writing model shards" not in run.stderr, run.stderr     # no progress bar either
+    modes = {f.name: stat.S_IMODE(os.stat(f).st_mode) for f in (tmp_path / "m").iterdir()}
+    assert modes["model.safetensors"] == 0o644 and set(modes.values()) == {0o644}, modes
+    root = Path(__file__).parent.parent
+    for path in ("my-model/model.safetensors", "my-reward-model/config.json", "tokens.txt", "captured/shard-0.parquet"):
+        ignored = subprocess.run(["git", "check-ignore", "-q", path], cwd=root, timeout=30)
+        assert ignored.returncode == 0, f"{path} is not ignored by git"
+
+
+@pytest.mark.live_server
 def test_reward_demo_serves_scores_and_stops_cleanly_on_sigterm():
     from logitserve.client import TeacherClient
 
